@@ -1,0 +1,350 @@
+"""The on-disk kernel cache: keys, entries, locks.
+
+Layout under the cache root (created 0700, and refused if another user owns it or
+others may write it):
+
+    entries/<key>/      a complete entry: sources, the built .so, manifest.json (written last)
+    index/<lookup>.json  spec + templates + toolchain -> key, so a hit needs no rendering
+    staging/            where entries are built before being renamed into place whole
+    locks/<key>.lock     one OS lock per key (released by the kernel if a builder dies)
+    failed/<key>/        sources and log of the last failed build of a key
+
+An entry is served only if its manifest exists, names the same key and toolchain,
+and the .so matches the manifest's size and sha256. Anything else is a logged
+rebuild. A hit imports the .so directly: no compiler, no ninja, no load_inline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+from . import config
+from .build import Built, build, so_name
+from .errors import CacheError
+from .render import ABI_VERSION, Rendered, render, template_dir, template_digest
+from .spec import ConvSpec
+from .toolchain import Toolchain
+
+log = logging.getLogger("kernelgen")
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def cache_key(spec: ConvSpec, rendered: Rendered, toolchain: Toolchain) -> str:
+    """sha256 of the spec, the rendered source, the toolchain (versions, arch, flags) and the ABI."""
+    return _sha256_json({"spec": spec.to_dict(), "source": rendered.digest,
+                         "toolchain": toolchain.to_dict(), "abi": ABI_VERSION})
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest() -> str:
+    """sha256 of the Python that shapes rendering (spec, render, families)."""
+    here = Path(__file__).resolve().parent
+    files = [here / "spec.py", here / "render.py"] + sorted((here / "families").glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        data = f.read_bytes()
+        h.update(f.name.encode() + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+def lookup_key(spec: ConvSpec, toolchain: Toolchain) -> str:
+    """Everything that determines the rendered source and the build, without rendering."""
+    return _sha256_json({"spec": spec.to_dict(), "templates": template_digest(), "code": code_digest(),
+                         "toolchain": toolchain.to_dict(), "abi": ABI_VERSION})
+
+
+def module_name(key: str) -> str:
+    return f"kg_{key}"
+
+
+@dataclass
+class Entry:
+    key: str
+    path: Path
+    manifest: dict
+
+    @property
+    def so_path(self) -> Path:
+        return self.path / self.manifest["so"]["file"]
+
+
+class InvalidEntry(Exception):
+    """An entry on disk that must not be served (reason in the message)."""
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _import_so(name: str, path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    if spec is None:
+        raise InvalidEntry(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+class Cache:
+    """A cache rooted at `root` (default: config.cache_dir())."""
+
+    def __init__(self, root: Path | str | None = None, lock_timeout: float | None = None):
+        self.root = Path(root) if root is not None else config.cache_dir()
+        self.lock_timeout = config.lock_timeout() if lock_timeout is None else lock_timeout
+        self._checked = False
+        self.writable = True
+
+    # -- the directory -----------------------------------------------------------------
+    def _ensure_root(self) -> None:
+        if self._checked:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except PermissionError:
+            if not self.root.is_dir():
+                raise CacheError(f"cannot create the kernelgen cache directory {self.root}; "
+                                 f"set KERNELGEN_CACHE_DIR to a directory you can write") from None
+        st = self.root.stat()
+        if st.st_uid not in (os.getuid(), 0):
+            raise CacheError(f"the kernelgen cache directory {self.root} is owned by uid {st.st_uid}, not by you "
+                             f"(uid {os.getuid()}); loading code from it would run another user's binaries. "
+                             f"Set KERNELGEN_CACHE_DIR to a directory of your own.")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise CacheError(f"the kernelgen cache directory {self.root} is writable by other users "
+                             f"(mode {stat.filemode(st.st_mode)}); run `chmod 700 {self.root}` or set "
+                             f"KERNELGEN_CACHE_DIR to a private directory.")
+        self.writable = os.access(self.root, os.W_OK)
+        if self.writable:
+            for sub in ("entries", "index", "staging", "locks", "failed"):
+                (self.root / sub).mkdir(exist_ok=True, mode=0o700)
+        self._checked = True
+
+    def entry_dir(self, key: str) -> Path:
+        return self.root / "entries" / key
+
+    # -- reading -----------------------------------------------------------------------
+    def read_entry(self, key: str, toolchain: Toolchain | None = None, verify_so: bool = True) -> Entry:
+        """The complete, verified entry for `key`; InvalidEntry (or FileNotFoundError) otherwise."""
+        path = self.entry_dir(key)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise InvalidEntry(f"unreadable manifest ({exc})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("key") != key:
+            raise InvalidEntry("manifest does not belong to this key or format")
+        if toolchain is not None and manifest.get("toolchain") != toolchain.to_dict():
+            raise InvalidEntry("built by another toolchain")
+        entry = Entry(key=key, path=path, manifest=manifest)
+        so = manifest.get("so") or {}
+        if not isinstance(so.get("file"), str) or "/" in so["file"] or so["file"].startswith("."):
+            raise InvalidEntry("manifest names no valid .so")
+        if verify_so:
+            try:
+                size = entry.so_path.stat().st_size
+            except FileNotFoundError:
+                raise InvalidEntry(f"{so['file']} is missing") from None
+            if size != so.get("size"):
+                raise InvalidEntry(f"{so['file']} is {size} bytes, the manifest says {so.get('size')} (truncated?)")
+            if _file_sha256(entry.so_path) != so.get("sha256"):
+                raise InvalidEntry(f"{so['file']} does not match the manifest's sha256 (foreign or corrupted)")
+        return entry
+
+    def load(self, key: str, toolchain: Toolchain) -> ModuleType:
+        entry = self.read_entry(key, toolchain)
+        try:
+            module = _import_so(entry.manifest["name"], entry.so_path)
+        except ImportError as exc:
+            raise InvalidEntry(f"cannot import {entry.so_path.name}: {exc}") from None
+        if getattr(module, "KG_ABI", None) != ABI_VERSION:
+            raise InvalidEntry("module's ABI revision does not match")
+        if self.writable:
+            with contextlib.suppress(OSError):
+                (entry.path / "last_used").touch()
+        return module
+
+    def entries(self) -> Iterator[Entry]:
+        """Every complete entry (manifest present), without hashing the .so files."""
+        base = self.root / "entries"
+        if not base.is_dir():
+            return
+        for path in sorted(base.iterdir()):
+            with contextlib.suppress(InvalidEntry, FileNotFoundError, OSError):
+                yield self.read_entry(path.name, verify_so=False)
+
+    # -- the index: spec -> key without rendering -------------------------------------------
+    def index_get(self, lookup: str) -> str | None:
+        try:
+            key = json.loads((self.root / "index" / f"{lookup}.json").read_text()).get("key")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return key if isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key) else None
+
+    def index_put(self, lookup: str, key: str) -> None:
+        if self.writable:
+            _atomic_write(self.root / "index" / f"{lookup}.json", json.dumps({"key": key}))
+
+    # -- locking -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """Hold the OS lock of `key`; a process killed while holding it releases it."""
+        path = self.root / "locks" / f"{key}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            delay = 0.02
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        raise
+                if time.monotonic() > deadline:
+                    raise CacheError(f"timed out after {self.lock_timeout:.0f} s waiting for the lock {path}, "
+                                     f"held by another process building the same kernel; raise "
+                                     f"KERNELGEN_LOCK_TIMEOUT or find that process")
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.5)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    # -- the whole path ------------------------------------------------------------------
+    def get(self, spec: ConvSpec, toolchain: Toolchain,
+            on_compile: Callable[[ConvSpec, str, Built], None] | None = None) -> tuple[ModuleType, str, bool]:
+        """(module, key, compiled) for `spec`: from disk if a valid entry exists, else built."""
+        self._ensure_root()
+        lookup = lookup_key(spec, toolchain)
+        key = self.index_get(lookup)
+        if key is not None:
+            module = self._try_load(key, toolchain)
+            if module is not None:
+                return module, key, False
+        rendered = render(spec)
+        key = cache_key(spec, rendered, toolchain)
+        module = self._try_load(key, toolchain)
+        if module is not None:
+            self.index_put(lookup, key)
+            return module, key, False
+        if not self.writable:
+            log.warning("kernelgen cache %s is read-only: building %s in a temporary directory "
+                        "(it will not be kept)", self.root, spec.summary())
+            with tempfile.TemporaryDirectory(prefix="kernelgen-") as tmp:
+                log.info("kernelgen: compiling %s for %s (not cached)", spec.summary(), toolchain.arch)
+                built = build(rendered, toolchain, module_name(key), Path(tmp))
+                if on_compile:
+                    on_compile(spec, key, built)
+                return built.module, key, True
+        with self.lock(key):
+            module = self._try_load(key, toolchain)  # built by another process while we waited
+            if module is not None:
+                self.index_put(lookup, key)
+                return module, key, False
+            built = self._build_entry(spec, rendered, toolchain, key)
+        self.index_put(lookup, key)
+        if on_compile:
+            on_compile(spec, key, built)
+        return built.module, key, True
+
+    def _try_load(self, key: str, toolchain: Toolchain) -> ModuleType | None:
+        try:
+            return self.load(key, toolchain)
+        except FileNotFoundError:
+            return None
+        except InvalidEntry as exc:
+            log.warning("kernelgen cache entry %s is not usable (%s); rebuilding it", key[:16], exc)
+            return None
+
+    def _build_entry(self, spec: ConvSpec, rendered: Rendered, toolchain: Toolchain, key: str) -> Built:
+        """Build in staging, verify, write the manifest last, rename into place. Caller holds the lock."""
+        self._sweep_staging()
+        staging = self.root / "staging" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        staging.mkdir(mode=0o700)
+        name = module_name(key)
+        log.info("kernelgen: compiling %s for %s (key %s)", spec.summary(), toolchain.arch, key[:16])
+        try:
+            built = build(rendered, toolchain, name, staging)
+        except Exception:
+            failed = self.root / "failed" / key
+            shutil.rmtree(failed, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rename(staging, failed)
+            raise
+        so = staging / so_name(name)
+        manifest = {
+            "format": FORMAT, "key": key, "name": name, "family": spec.family,
+            "spec": spec.to_dict(), "summary": spec.summary(), "toolchain": toolchain.to_dict(),
+            "source_digest": rendered.digest, "created": time.time(), "build_seconds": round(built.seconds, 3),
+            "so": {"file": so.name, "size": so.stat().st_size, "sha256": _file_sha256(so)},
+            "sources": ["main.cpp"] + (["cuda.cu"] if rendered.cuda is not None else []),
+        }
+        _atomic_write(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        target = self.entry_dir(key)
+        if target.exists():  # an invalid entry we decided to replace
+            shutil.rmtree(target, ignore_errors=True)
+        os.rename(staging, target)
+        built.path = target / so.name
+        log.info("kernelgen: compiled %s in %.1f s", spec.summary(), built.seconds)
+        return built
+
+    def _sweep_staging(self) -> None:
+        """Remove staging directories whose builder process is gone (killed mid-build)."""
+        base = self.root / "staging"
+        for path in base.iterdir() if base.is_dir() else ():
+            parts = path.name.split(".")
+            pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+            if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+__all__ = ["Cache", "Entry", "InvalidEntry", "cache_key", "lookup_key", "module_name", "template_dir"]

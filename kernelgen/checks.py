@@ -1,0 +1,118 @@
+"""Check a conv2d call's tensors the way F.conv2d does, before anything is compiled.
+
+Messages follow torch's wording so that people who know F.conv2d's errors recognise
+them; they are raised as `ConvArgumentError` (a RuntimeError like torch's, and a
+ValueError) or `TypeError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConvArgumentError
+from .spec import DTYPES, ConvSpec, canonical_dtype
+
+_FLOAT_DTYPES = {getattr(torch, name) for name in DTYPES}
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated call: the parameters that go into a spec plus the runtime sizes."""
+
+    unbatched: bool
+    N: int
+    C: int
+    H: int
+    W: int
+    K: int
+    P: int
+    Q: int
+    channels_last: bool  # the output's memory format, as F.conv2d chooses it
+
+
+def _size(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """torch's suggest_memory_format() for a 4-D tensor, for the cases that matter."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def check_tensors(input, weight, bias) -> None:
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"conv2d(): argument '{name}' must be Tensor, not {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"conv2d(): argument 'bias' must be Tensor or None, not {type(bias).__name__}")
+    tensors = [("input", input), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in tensors:
+        if t.layout != torch.strided:
+            raise ConvArgumentError(f"kernelgen.conv2d needs dense (strided) tensors; {name} has layout {t.layout}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"kernelgen.conv2d computes in {', '.join(DTYPES)}; {name} has dtype {t.dtype}"
+                            + (" (convert integer tensors with .float())" if not t.is_floating_point() else ""))
+    devices = {t.device for _, t in tensors}
+    if len(devices) > 1:
+        a, b = sorted(str(d) for d in devices)[:2]
+        raise ConvArgumentError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                                f"{a} and {b}!")
+    if weight.dtype != input.dtype:
+        raise ConvArgumentError(f"Input type ({input.dtype}) and weight type ({weight.dtype}) should be the same")
+    if bias is not None and bias.dtype != input.dtype:
+        raise ConvArgumentError(f"Input type ({input.dtype}) and bias type ({bias.dtype}) should be the same")
+    if input.device.type not in ("cuda", "cpu", "meta"):
+        raise ConvArgumentError(f"kernelgen.conv2d runs on CUDA and CPU tensors, not {input.device.type}")
+
+
+def check_call(input: torch.Tensor, weight: torch.Tensor, bias, spec: ConvSpec) -> Call:
+    """Shapes against a spec made from the call's parameters; returns the runtime sizes."""
+    if input.dim() not in (3, 4):
+        raise ConvArgumentError(f"Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: "
+                                f"{_size(input)}")
+    if weight.dim() != 4:
+        raise ConvArgumentError(f"Expected 4-dimensional weight for {input.dim()}-dimensional input "
+                                f"{_size(input)}, but got {weight.dim()}-dimensional weight of size "
+                                f"{_size(weight)} instead")
+    unbatched = input.dim() == 3
+    N, C, H, W = (1, *input.shape) if unbatched else tuple(input.shape)
+    K = weight.shape[0]
+    groups = spec.groups
+    if K % groups:
+        raise ConvArgumentError(f"Given groups={groups}, expected weight to be divisible by {groups} at dimension 0, "
+                                f"but got weight of size {_size(weight)} instead")
+    if C != weight.shape[1] * groups:
+        shown = [N, C, H, W] if not unbatched else [C, H, W]
+        raise ConvArgumentError(f"Given groups={groups}, weight of size {_size(weight)}, expected input{shown} to have "
+                                f"{weight.shape[1] * groups} channels, but got {C} channels instead")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != K):
+        raise ConvArgumentError(f"Given weight of size {_size(weight)}, expected bias to be 1-dimensional with {K} "
+                                f"elements, but got bias of size {_size(bias)} instead")
+    (kh, kw), (dh, dw) = spec.kernel_size, spec.dilation
+    top, bottom, left, right = spec.padding
+    ph, pw = H + top + bottom, W + left + right
+    eh, ew = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    if ph < eh or pw < ew:
+        raise ConvArgumentError(f"Calculated padded input size per channel: ({ph} x {pw}). Kernel size: "
+                                f"({eh} x {ew}). Kernel size can't be greater than actual input size")
+    P, Q = spec.output_size(H, W)
+    channels_last = not unbatched and (is_channels_last(input) or is_channels_last(weight))
+    return Call(unbatched=unbatched, N=N, C=C, H=H, W=W, K=K, P=P, Q=Q, channels_last=channels_last)
+
+
+def spec_params(input: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> dict:
+    """The spec fields a call determines (family, layout, math and tiles are chosen later)."""
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"conv2d(): argument 'groups' must be int, not {type(groups).__name__}")
+    if weight.dim() != 4:
+        # Reported with torch's wording by check_call; here only avoid indexing errors.
+        check_call(input, weight, bias, ConvSpec(1, 1, 1))
+    return dict(
+        in_channels=max(int(weight.shape[1]) * groups, 1) if groups > 0 else 1,
+        out_channels=max(int(weight.shape[0]), 1),
+        kernel_size=(int(weight.shape[2]), int(weight.shape[3])),
+        stride=stride, padding=padding, dilation=dilation, groups=groups,
+        dtype=canonical_dtype(input.dtype), bias=bias is not None,
+    )

@@ -1,0 +1,77 @@
+"""Every environment variable kernelgen reads, read here and nowhere else.
+
+| variable | default | meaning |
+| --- | --- | --- |
+| KERNELGEN_CACHE_DIR | ~/.cache/kernelgen (or $XDG_CACHE_HOME/kernelgen) | where built kernels live |
+| KERNELGEN_LOCK_TIMEOUT | 600 | seconds to wait for another process building the same kernel |
+| KERNELGEN_JOBS | number of CPU cores | parallel builds (CLI `warm`, test warm-up) |
+| CXX | c++ | the host C++ compiler (torch's builder honours it too) |
+| CUDA_HOME, CUDA_PATH | the nvcc on PATH, then /usr/local/cuda | the CUDA toolkit (looked up in torch's order, since torch's builder compiles) |
+
+Values are read when asked for (not at import), so a test or a launcher can set them
+before the first call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_dir: Path
+    lock_timeout: float
+    jobs: int
+    cuda_home: Path | None
+
+
+def _positive(name: str, text: str, kind: type) -> float | int:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a valid {kind.__name__}") from None
+    if value <= 0:
+        raise ValueError(f"{name}={text!r} must be positive")
+    return value
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("KERNELGEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "kernelgen"
+
+
+def lock_timeout() -> float:
+    return float(_positive("KERNELGEN_LOCK_TIMEOUT", os.environ.get("KERNELGEN_LOCK_TIMEOUT", "600"), float))
+
+
+def jobs() -> int:
+    text = os.environ.get("KERNELGEN_JOBS")
+    if text is None:
+        return os.cpu_count() or 1
+    return int(_positive("KERNELGEN_JOBS", text, int))
+
+
+def cuda_home() -> Path | None:
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(name)
+        if value:
+            return Path(value)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return Path(nvcc).resolve().parent.parent
+    default = Path("/usr/local/cuda")
+    return default if default.exists() else None
+
+
+def host_compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
+def settings() -> Settings:
+    return Settings(cache_dir=cache_dir(), lock_timeout=lock_timeout(), jobs=jobs(), cuda_home=cuda_home())

@@ -1,0 +1,92 @@
+"""Choose the kernel family, layout, math and tiles for a call.
+
+Heuristics (CUDA), tried in order; the first family whose `check` accepts the spec wins:
+
+1. depthwise: groups == in_channels (any channel multiplier). A bandwidth-bound
+   stencil; the tensor-core GEMMs would run at K = kh*kw, far too thin to pay.
+2. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
+   tensor cores, memory-bound at these sizes, beats any direct loop.
+3. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
+   reduction (CIN_G*KH*KW) is long enough to feed tensor cores.
+4. direct: everything else (tiny channel counts, float64, strided layouts the fast
+   families do not take). It honours arbitrary strides, so it never copies.
+
+Layout: the output's memory format follows F.conv2d (channels_last if the input or
+the weight is). Families take 'nchw', 'nhwc' or 'any'; a family that needs a dense
+layout gets the input made contiguous in it (one copy when it is not already) and
+writes the output in that same layout. A family is only chosen when its layout is
+the output's layout, or when it is 'any'.
+
+CPU: the one CPU family.
+
+A user or a tuner can force a family and its tiles (`family=`, `tiles=`); then the
+family must accept the spec or the call fails with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .errors import ConvArgumentError, Unsupported
+from .families import get_family
+from .spec import ConvSpec, Problem
+
+CUDA_ORDER = ("depthwise", "pointwise", "igemm", "direct")
+CPU_ORDER = ("cpu_direct",)
+
+
+def _available(names: tuple[str, ...]) -> list[str]:
+    from .families import all_families
+
+    fams = all_families()
+    return [n for n in names if n in fams]
+
+
+def _layout_for(family_layouts: tuple[str, ...], channels_last: bool) -> str | None:
+    want = "nhwc" if channels_last else "nchw"
+    if want in family_layouts:
+        return want
+    if "any" in family_layouts:
+        return "any"
+    return None
+
+
+def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_last: bool, math: str,
+           family: str | None = None, tiles: Mapping[str, int] | None = None) -> ConvSpec:
+    """The spec to compile for a call. `params` are the call's spec fields (checks.spec_params)."""
+    if family is not None:
+        names = [family]
+    else:
+        names = _available(CUDA_ORDER if device == "cuda" else CPU_ORDER)
+    reasons = []
+    for name in names:
+        fam = get_family(name)
+        layout = _layout_for(fam.layouts, channels_last)
+        if layout is None:
+            reasons.append(f"{name}: takes layouts {list(fam.layouts)}")
+            continue
+        fam_math = math if (fam.tf32 and params["dtype"] == "float32") else "ieee"
+        base = ConvSpec(**params, device=device, layout=layout, math=fam_math, family=name)
+        try:
+            fam.check(base)
+        except Unsupported as exc:
+            reasons.append(f"{name}: {exc}")
+            continue
+        if family is None and not _worth_it(name, base):
+            continue
+        chosen = dict(fam.default_tiles(base, problem))
+        if tiles:
+            chosen.update(tiles)
+        return base.replace(tiles=tuple(chosen.items()))
+    if family is not None:
+        raise ConvArgumentError(f"family {family!r} cannot serve this convolution: {'; '.join(reasons)}")
+    raise ConvArgumentError(f"no kernel family serves this convolution on {device}: {'; '.join(reasons)}")
+
+
+def _worth_it(name: str, spec: ConvSpec) -> bool:
+    """The size thresholds from the module docstring (correctness is the family's check)."""
+    if name == "pointwise":
+        return spec.cin_per_group >= 8
+    if name == "igemm":
+        return spec.cin_per_group >= 4
+    return True

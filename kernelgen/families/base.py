@@ -1,0 +1,61 @@
+"""What a kernel family is: a template plus the rules for when it can serve a spec.
+
+A family never decides *whether* it is the best choice (that is `dispatch.py`'s job);
+it only says whether it *can* serve a spec (`check`, which raises `Unsupported`),
+which tile parameters it takes and their allowed values, and sensible tiles for a
+problem shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import Unsupported
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+
+@dataclass(frozen=True)
+class Family:
+    """A template family.
+
+    name: the family's name, used in specs, cache listings and logs.
+    device: 'cuda' or 'cpu'.
+    template: path of the template under `templates/`.
+    layouts: memory layouts the kernel can be handed ('any' means it honours strides).
+    dtypes: dtypes it serves.
+    tiles: tile parameter name -> allowed values; a spec's tiles must name each one.
+    tf32: whether it has a TF32 tensor-core path (MATH='tf32'); families without one
+        always compute exact float32 and specs for them carry MATH='ieee'.
+    """
+
+    name: str
+    device: str
+    template: str
+    layouts: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    tiles: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    tf32: bool = False
+
+    def check(self, spec: "ConvSpec") -> None:
+        """Raise Unsupported(reason) if this family cannot compute `spec` correctly."""
+        if spec.device != self.device:
+            raise Unsupported(f"{self.name} runs on {self.device}, not {spec.device}")
+        if spec.dtype not in self.dtypes:
+            raise Unsupported(f"{self.name} does not serve dtype {spec.dtype}")
+        if spec.layout not in self.layouts:
+            raise Unsupported(f"{self.name} does not take layout {spec.layout}")
+        self.check_shape(spec)
+
+    def check_shape(self, spec: "ConvSpec") -> None:
+        """Family-specific conditions (kernel size, groups, ...). Default: none."""
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem") -> dict[str, int]:
+        """Tile sizes for a problem shape; the default is each parameter's first value."""
+        return {name: values[0] for name, values in self.tiles.items()}
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        """Extra derived compile-time constants for the template (UPPERCASE keys)."""
+        return {}

@@ -1,0 +1,30 @@
+"""`kernelgen.Conv2d`: torch.nn.Conv2d whose forward runs kernelgen's kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .functional import conv2d
+
+
+class Conv2d(torch.nn.Conv2d):
+    """A drop-in for torch.nn.Conv2d: same constructor, parameters and state_dict.
+
+    Only the forward differs: it calls `kernelgen.conv2d`. Non-'zeros' padding modes
+    pad with F.pad first, exactly as torch.nn.Conv2d does.
+
+    precision: None (follow torch's TF32 setting), 'ieee' or 'tf32'; keyword-only.
+    """
+
+    def __init__(self, *args, precision: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.precision = precision
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            return conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups,
+                          precision=self.precision)
+        return conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                      precision=self.precision)

@@ -1,0 +1,268 @@
+"""The one object that says what a kernel computes: `ConvSpec`.
+
+Its constructor canonicalises every parameter (`3` becomes `(3, 3)`, `torch.float16`
+becomes `"float16"`, `padding="same"` becomes explicit begin/end pads) and raises a
+`ConvArgumentError` (a ValueError) or `TypeError` naming the field and what is
+allowed. The same object feeds the template context and the cache key, so nothing
+can reach a binary without being part of its key.
+
+Runtime sizes (batch, height, width) are deliberately *not* in the spec: one compiled
+kernel serves every input size. They travel in `Problem`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ConvArgumentError
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+DEVICES = ("cuda", "cpu")
+LAYOUTS = ("any", "nchw", "nhwc")
+MATHS = ("ieee", "tf32")
+
+SCALAR_T = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "float64": "double"}
+ACC_T = {"float32": "float", "float16": "float", "bfloat16": "float", "float64": "double"}
+
+
+def _int(name: str, value: Any) -> int:
+    # bool is an int in Python, but `stride=True` is a bug, not a stride.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _pair(name: str, value: Any) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        if len(value) == 1:
+            value = (value[0], value[0])
+        if len(value) != 2:
+            raise ConvArgumentError(f"expected {name} to be a single integer value or a list of 2 values "
+                                    f"to match the convolution dimensions, but got {name}={list(value)!r}")
+        return _int(name, value[0]), _int(name, value[1])
+    v = _int(name, value)
+    return v, v
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """'float32' for torch.float32, 'float32' or 'torch.float32'; TypeError otherwise."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        text = text[len("torch."):]
+    aliases = {"float": "float32", "half": "float16", "double": "float64"}
+    text = aliases.get(text, text)
+    if text not in DTYPES:
+        raise TypeError(f"kernelgen computes convolutions in {', '.join(DTYPES)}; got dtype {dtype}")
+    return text
+
+
+def resolve_padding(padding: Any, kernel: tuple[int, int], stride: tuple[int, int],
+                    dilation: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) as F.conv2d applies it.
+
+    'same' pads d*(k-1) in total, the smaller half before: torch pads even kernels
+    one more at the end, and so do we.
+    """
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0, 0, 0)
+        if padding == "same":
+            if stride != (1, 1):
+                raise ConvArgumentError("padding='same' is not supported for strided convolutions")
+            pads = []
+            for k, d in zip(kernel, dilation):
+                total = d * (k - 1)
+                pads += [total // 2, total - total // 2]
+            return tuple(pads)  # type: ignore[return-value]
+        raise ConvArgumentError(f"Invalid padding string '{padding}', should be one of ['valid', 'same']")
+    ph, pw = _pair("padding", padding)
+    if ph < 0 or pw < 0:
+        raise ConvArgumentError(f"negative padding is not supported, got padding={padding!r}")
+    return (ph, ph, pw, pw)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Runtime sizes of one call: batch, input height/width, output height/width."""
+
+    N: int
+    H: int
+    W: int
+    P: int
+    Q: int
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """A fully specified convolution kernel.
+
+    in_channels/out_channels/groups: channels of input and output, and groups
+        (depthwise with multiplier m: groups = in_channels, out_channels = m * in_channels).
+    kernel_size, stride, dilation: ints or pairs, stored as (h, w).
+    padding: int, pair, 'same' or 'valid', stored as (top, bottom, left, right).
+    dtype: float32, float16, bfloat16 or float64 (a torch.dtype or its name).
+    device: 'cuda' or 'cpu'.
+    bias: whether a bias vector is added.
+    layout: memory layout the kernel is handed: 'any' (strided), 'nchw', 'nhwc'.
+    math: 'ieee' (exact float32 or wider) or 'tf32' (TF32 tensor-core products).
+    family: the template family (see kernelgen.families).
+    tiles: the family's tile parameters (name -> value); unnamed ones take their first allowed value.
+    """
+
+    in_channels: int
+    out_channels: int
+    kernel_size: Any
+    stride: Any = 1
+    padding: Any = 0
+    dilation: Any = 1
+    groups: int = 1
+    dtype: Any = "float32"
+    device: str = "cuda"
+    bias: bool = False
+    layout: str = "any"
+    math: str = "ieee"
+    family: str = "direct"
+    tiles: Any = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        kernel = _pair("kernel_size", self.kernel_size)
+        stride = _pair("stride", self.stride)
+        dilation = _pair("dilation", self.dilation)
+        if min(kernel) <= 0:
+            raise ConvArgumentError(f"kernel size must be positive, got kernel_size={kernel}")
+        if min(stride) <= 0:
+            raise ConvArgumentError(f"non-positive stride is not supported, got stride={stride}")
+        if min(dilation) <= 0:
+            raise ConvArgumentError(f"dilation should be greater than zero, got dilation={dilation}")
+        put("kernel_size", kernel)
+        put("stride", stride)
+        put("dilation", dilation)
+        if isinstance(self.padding, tuple) and len(self.padding) == 4 and all(
+                isinstance(p, int) and not isinstance(p, bool) for p in self.padding):
+            padding = self.padding  # already canonical (e.g. from from_json)
+            if min(padding) < 0:
+                raise ConvArgumentError(f"negative padding is not supported, got padding={padding}")
+        else:
+            padding = resolve_padding(self.padding, kernel, stride, dilation)
+        put("padding", tuple(padding))
+
+        cin = _int("in_channels", self.in_channels)
+        cout = _int("out_channels", self.out_channels)
+        groups = _int("groups", self.groups)
+        if groups <= 0:
+            raise ConvArgumentError(f"non-positive groups is not supported, got groups={groups}")
+        if cin <= 0 or cout <= 0:
+            raise ConvArgumentError(f"in_channels and out_channels must be positive, got {cin} and {cout}")
+        if cin % groups:
+            raise ConvArgumentError(f"groups={groups} does not divide in_channels={cin}")
+        if cout % groups:
+            raise ConvArgumentError(f"groups={groups} does not divide out_channels={cout}")
+        put("in_channels", cin)
+        put("out_channels", cout)
+        put("groups", groups)
+
+        put("dtype", canonical_dtype(self.dtype))
+        for name, allowed in (("device", DEVICES), ("layout", LAYOUTS), ("math", MATHS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConvArgumentError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        if self.math == "tf32" and self.dtype != "float32":
+            raise ConvArgumentError(f"math='tf32' applies to float32 only, not {self.dtype}")
+        if not isinstance(self.bias, bool):
+            raise TypeError(f"bias must be True or False, got {self.bias!r}")
+
+        from .families import get_family  # the registry imports this module's types only
+
+        family = get_family(self.family)  # raises naming the known families
+        put("tiles", _canonical_tiles(family.name, family.tiles, self.tiles))
+
+    # -- derived values ---------------------------------------------------------------
+    @property
+    def cin_per_group(self) -> int:
+        return self.in_channels // self.groups
+
+    @property
+    def cout_per_group(self) -> int:
+        return self.out_channels // self.groups
+
+    def output_size(self, H: int, W: int) -> tuple[int, int]:
+        """Output height and width for an input of H x W (may be <= 0 if too small)."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        top, bottom, left, right = self.padding
+        P = (H + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        Q = (W + left + right - dw * (kw - 1) - 1) // sw + 1
+        return P, Q
+
+    # -- views for the template, the key and people -------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tiles"] = dict(self.tiles)
+        return d
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no whitespace. Equal specs give equal text."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ConvSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConvArgumentError(f"unknown spec field(s) {unknown}; known fields are {sorted(known)}")
+        d = dict(d)
+        for name in ("kernel_size", "stride", "dilation", "padding"):
+            if isinstance(d.get(name), list):
+                d[name] = tuple(d[name])
+        if isinstance(d.get("tiles"), Mapping):
+            d["tiles"] = tuple(d["tiles"].items())
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "ConvSpec":
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        tiles = ",".join(f"{k}={v}" for k, v in self.tiles)
+        return (f"{self.family}[{tiles}] {self.device} {self.dtype}/{self.math} {self.layout} "
+                f"{self.in_channels}->{self.out_channels} g{self.groups} k{kh}x{kw} s{sh}x{sw} "
+                f"p{','.join(map(str, self.padding))} d{dh}x{dw}{' +bias' if self.bias else ''}")
+
+    def template_context(self) -> dict[str, Any]:
+        """UPPERCASE compile-time constants: only validated ints, bools and enum members."""
+        from .families import get_family
+
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        ctx: dict[str, Any] = {
+            "FAMILY": self.family, "DEVICE": self.device, "DTYPE": self.dtype,
+            "SCALAR_T": SCALAR_T[self.dtype], "ACC_T": ACC_T[self.dtype], "MATH": self.math,
+            "CIN": self.in_channels, "COUT": self.out_channels, "GROUPS": self.groups,
+            "CIN_G": self.cin_per_group, "COUT_G": self.cout_per_group,
+            "KH": kh, "KW": kw, "SH": sh, "SW": sw, "DH": dh, "DW": dw,
+            "PH": self.padding[0], "PW": self.padding[2],
+            "HAS_BIAS": self.bias, "LAYOUT": self.layout,
+        }
+        ctx.update({name.upper(): value for name, value in self.tiles})
+        ctx.update(get_family(self.family).context(self))
+        return ctx
+
+
+def _canonical_tiles(family: str, space: Mapping[str, tuple[int, ...]], tiles: Any) -> tuple[tuple[str, int], ...]:
+    items = dict(tiles.items() if isinstance(tiles, Mapping) else tiles)
+    unknown = sorted(set(items) - set(space))
+    if unknown:
+        raise ConvArgumentError(f"family {family!r} has no tile parameter(s) {unknown}; "
+                                f"its tile parameters are {sorted(space)}")
+    out = []
+    for name in sorted(space):
+        # An unnamed tile parameter takes its first allowed value (the dispatcher always names all).
+        value = _int(f"tiles[{name!r}]", items.get(name, space[name][0]))
+        if value not in space[name]:
+            raise ConvArgumentError(f"tiles[{name!r}]={value} is not allowed for family {family!r}; "
+                                    f"choose one of {list(space[name])}")
+        out.append((name, value))
+    return tuple(out)
