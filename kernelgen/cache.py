@@ -163,7 +163,7 @@ class Cache:
             raise InvalidEntry(f"unreadable manifest ({exc})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("key") != key:
             raise InvalidEntry("manifest does not belong to this key or format")
-        if toolchain is not None and manifest.get("toolchain") != toolchain.to_dict():
+        if toolchain is not None and manifest.get("toolchain") != json.loads(json.dumps(toolchain.to_dict())):
             raise InvalidEntry("built by another toolchain")
         entry = Entry(key=key, path=path, manifest=manifest)
         so = manifest.get("so") or {}
@@ -267,7 +267,7 @@ class Cache:
                     on_compile(spec, key, built)
                 return built.module, key, True
         with self.lock(key):
-            module = self._try_load(key, toolchain)  # built by another process while we waited
+            module = self._try_load(key, toolchain, quiet=False)  # built by another process while we waited?
             if module is not None:
                 self.index_put(lookup, key)
                 return module, key, False
@@ -277,13 +277,15 @@ class Cache:
             on_compile(spec, key, built)
         return built.module, key, True
 
-    def _try_load(self, key: str, toolchain: Toolchain) -> ModuleType | None:
+    def _try_load(self, key: str, toolchain: Toolchain, quiet: bool = True) -> ModuleType | None:
+        """The entry's module, or None. Only the check made under the lock reports a bad entry."""
         try:
             return self.load(key, toolchain)
         except FileNotFoundError:
             return None
         except InvalidEntry as exc:
-            log.warning("kernelgen cache entry %s is not usable (%s); rebuilding it", key[:16], exc)
+            if not quiet:
+                log.warning("kernelgen cache entry %s is not usable (%s); rebuilding it", key[:16], exc)
             return None
 
     def _build_entry(self, spec: ConvSpec, rendered: Rendered, toolchain: Toolchain, key: str) -> Built:

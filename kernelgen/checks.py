@@ -67,8 +67,12 @@ def check_tensors(input, weight, bias) -> None:
         raise ConvArgumentError(f"kernelgen.conv2d runs on CUDA and CPU tensors, not {input.device.type}")
 
 
-def check_call(input: torch.Tensor, weight: torch.Tensor, bias, spec: ConvSpec) -> Call:
-    """Shapes against a spec made from the call's parameters; returns the runtime sizes."""
+def check_shapes(input: torch.Tensor, weight: torch.Tensor, bias, groups) -> None:
+    """Ranks, channels, groups and bias against each other, in F.conv2d's order."""
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"conv2d(): argument 'groups' must be int, not {type(groups).__name__}")
+    if groups <= 0:
+        raise ConvArgumentError(f"non-positive groups is not supported, got groups={groups}")
     if input.dim() not in (3, 4):
         raise ConvArgumentError(f"Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: "
                                 f"{_size(input)}")
@@ -76,20 +80,27 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, bias, spec: ConvSpec) 
         raise ConvArgumentError(f"Expected 4-dimensional weight for {input.dim()}-dimensional input "
                                 f"{_size(input)}, but got {weight.dim()}-dimensional weight of size "
                                 f"{_size(weight)} instead")
-    unbatched = input.dim() == 3
-    N, C, H, W = (1, *input.shape) if unbatched else tuple(input.shape)
+    C = input.shape[-3]
     K = weight.shape[0]
-    groups = spec.groups
     if K % groups:
         raise ConvArgumentError(f"Given groups={groups}, expected weight to be divisible by {groups} at dimension 0, "
                                 f"but got weight of size {_size(weight)} instead")
     if C != weight.shape[1] * groups:
-        shown = [N, C, H, W] if not unbatched else [C, H, W]
-        raise ConvArgumentError(f"Given groups={groups}, weight of size {_size(weight)}, expected input{shown} to have "
-                                f"{weight.shape[1] * groups} channels, but got {C} channels instead")
+        raise ConvArgumentError(f"Given groups={groups}, weight of size {_size(weight)}, expected input{_size(input)} "
+                                f"to have {weight.shape[1] * groups} channels, but got {C} channels instead")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != K):
         raise ConvArgumentError(f"Given weight of size {_size(weight)}, expected bias to be 1-dimensional with {K} "
                                 f"elements, but got bias of size {_size(bias)} instead")
+    if K == 0 or weight.shape[1] == 0:
+        raise ConvArgumentError(f"kernelgen.conv2d needs at least one input and one output channel; weight has "
+                                f"size {_size(weight)}")
+
+
+def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec) -> Call:
+    """The spatial sizes against the spec's kernel, padding and dilation (after check_shapes)."""
+    unbatched = input.dim() == 3
+    N, C, H, W = (1, *input.shape) if unbatched else tuple(input.shape)
+    K = weight.shape[0]
     (kh, kw), (dh, dw) = spec.kernel_size, spec.dilation
     top, bottom, left, right = spec.padding
     ph, pw = H + top + bottom, W + left + right
@@ -103,15 +114,9 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, bias, spec: ConvSpec) 
 
 
 def spec_params(input: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> dict:
-    """The spec fields a call determines (family, layout, math and tiles are chosen later)."""
-    if isinstance(groups, bool) or not isinstance(groups, int):
-        raise TypeError(f"conv2d(): argument 'groups' must be int, not {type(groups).__name__}")
-    if weight.dim() != 4:
-        # Reported with torch's wording by check_call; here only avoid indexing errors.
-        check_call(input, weight, bias, ConvSpec(1, 1, 1))
+    """The spec fields a call determines, after check_shapes (family, layout, math, tiles come later)."""
     return dict(
-        in_channels=max(int(weight.shape[1]) * groups, 1) if groups > 0 else 1,
-        out_channels=max(int(weight.shape[0]), 1),
+        in_channels=int(weight.shape[1]) * groups, out_channels=int(weight.shape[0]),
         kernel_size=(int(weight.shape[2]), int(weight.shape[3])),
         stride=stride, padding=padding, dilation=dilation, groups=groups,
         dtype=canonical_dtype(input.dtype), bias=bias is not None,

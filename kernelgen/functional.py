@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import logging
+
 import torch
 
 from . import checks, dispatch, precision as _precision
-from .errors import CompileError, ConvArgumentError
+from .errors import CompileError
 from .kernels import count, load_kernel
 from .spec import ConvSpec, Problem
 from .toolchain import arch_for_capability, current
-
-import logging
 
 log = logging.getLogger("kernelgen")
 
@@ -86,7 +86,7 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     except (AttributeError, TypeError):  # not tensors, or unhashable parameters: the slow path explains
         sig, plan = None, None
     if plan is None:
-        plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, math, precision, family, tiles)
+        plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
         if sig is not None:
             _plans[sig] = plan
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
@@ -95,20 +95,35 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return _run(plan, input, weight, bias)
 
 
-def _make_plan(input, weight, bias, stride, padding, dilation, groups, math, precision, family, tiles) -> Plan:
+def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, device: str | None = None,
+             precision: str | None = None, family: str | None = None,
+             tiles: Mapping[str, int] | None = None) -> tuple[ConvSpec | None, checks.Call]:
+    """(spec, call): the kernel `conv2d` would compile for these arguments, and the call's sizes.
+
+    The tensors may live on 'meta' (shapes and strides are all that is read); `device`
+    ('cuda' or 'cpu') says which device to plan for, default the tensors'. The spec is
+    None when there is nothing to compute (an empty batch).
+    """
     _precision.check_override(precision)
     checks.check_tensors(input, weight, bias)
-    if input.dim() in (3, 4) and weight.dim() == 4 and (weight.shape[0] == 0 or weight.shape[1] == 0):
-        raise ConvArgumentError(f"kernelgen.conv2d needs at least one input and one output channel; weight has "
-                                f"size {list(weight.shape)}")
+    checks.check_shapes(input, weight, bias, groups)
     params = checks.spec_params(input, weight, bias, stride, padding, dilation, groups)
     probe = ConvSpec(**params)  # validates the parameters; family/tiles are chosen below
-    call = checks.check_call(input, weight, bias, probe)
-    device = input.device.type
+    call = checks.check_call(input, weight, probe)
+    device = device or input.device.type
     if call.N == 0 or device == "meta":
-        return Plan(spec=None, launch=None, call=call, prep="asis")
+        return None, call
+    math = _precision.fp32_math(precision) if params["dtype"] == "float32" else "ieee"
     problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q)
-    spec = dispatch.choose(params, device, problem, call.channels_last, math, family=family, tiles=tiles)
+    return dispatch.choose(params, device, problem, call.channels_last, math, family=family, tiles=tiles), call
+
+
+def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles) -> Plan:
+    spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
+                          family=family, tiles=tiles)
+    if spec is None:
+        return Plan(spec=None, launch=None, call=call, prep="asis")
+    device = spec.device
     toolchain = current("cpu") if device == "cpu" else current("cuda", _cuda_arch(input.device.index))
     try:
         launch = load_kernel(spec, toolchain)
@@ -120,7 +135,8 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, math, pre
         log.warning("kernelgen: family %s failed to build for %s; using the direct family instead",
                     spec.family, spec.summary(), exc_info=True)
         count("fallbacks")
-        spec = dispatch.choose(params, device, problem, call.channels_last, math, family="direct")
+        spec, _ = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
+                           family="direct")
         launch = load_kernel(spec, toolchain)
     prep = "asis" if spec.layout == "any" else spec.layout
     return Plan(spec=spec, launch=launch, call=call, prep=prep)

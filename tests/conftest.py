@@ -1,0 +1,52 @@
+"""Test tiers: pure (no compiler), compile (host compiler / nvcc), gpu (a CUDA device).
+
+GPU tests skip without CUDA; nvcc tests skip without nvcc. Every test runs against a
+private cache directory so nothing touches the user's ~/.cache/kernelgen.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import kernelgen.functional as functional
+import kernelgen.kernels as kernels
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_NVCC = shutil.which("nvcc") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_nvcc = pytest.mark.skip(reason="needs nvcc on PATH")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "nvcc" in item.keywords and not HAS_NVCC:
+            item.add_marker(skip_nvcc)
+
+
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory):
+    """One cache shared by the numerics tests, so each spec compiles once per run."""
+    return tmp_path_factory.mktemp("kernelgen-cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(request, monkeypatch, session_cache):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(session_cache))
+    yield
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """A cache directory of this test's own, with in-process memos cleared."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(root))
+    kernels.clear_memo()
+    functional.clear_plans()
+    yield root
+    kernels.clear_memo()
+    functional.clear_plans()
