@@ -1,0 +1,251 @@
+"""Tensor-core families for dense and grouped convolution in NCHW: `pointwise` and `igemm`.
+
+Both compute, per image and per group, the GEMM
+
+    D[COUT_G x pixels] = W[COUT_G x K] . B[K x pixels]
+
+on `mma.sync` tensor cores (templates/common/mma.cuh.j2 holds the one kernel both
+render): m16n8k8 TF32 for float32 (MATH 'tf32': operands rounded with
+cvt.rna.tf32.f32; MATH 'ieee': 3xTF32 split precision, ~1e-6 relative error),
+m16n8k16 with float32 accumulation for float16 / bfloat16.
+
+- `pointwise`: 1x1, stride 1, no padding. B is the image itself, CIN_G x (H*W), and
+  pixel tiles run over the flattened plane, so small or odd planes waste nothing.
+- `igemm`: any kernel, stride, dilation and padding (implicit GEMM). A block owns
+  BLOCK_M output channels x a TILE_P x TILE_Q patch of output pixels; each pipeline
+  stage stages BLOCK_K input channels of the input halo (all KH kernel rows when
+  full_kh=1, one kernel row otherwise) and the matching weight slice in shared
+  memory, and the MMA fragments read the im2col matrix straight out of the halo.
+
+A stage is staged through registers (global loads for stage j+1 are in flight while
+stage j's MMAs run), double-buffered in shared memory with one barrier per stage.
+When one stage covers the whole reduction (CIN_G <= BLOCK_K, and all kernel rows),
+the weights stay resident in shared memory and blocks are persistent, looping over
+output tiles, so each block loads its weights once.
+
+Shared-memory layouts (in 32-bit words; a word holds one float32 or a pair of
+consecutive channels in float16/bfloat16) are computed here, in `layout()`, the one
+place both `check_shape` and the template (through `context`) take them from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import Unsupported
+from .base import Family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+# What one block may use: the H100's 227 KB opt-in limit per block.
+SMEM_LIMIT = 227 * 1024
+# Accumulator floats per thread above which the compiler starts spilling.
+MAX_ACC_PER_THREAD = 128
+# Registers a thread may spend holding the next stage's global loads.
+MAX_PREFETCH_WORDS = 96
+MAX_THREADS = 512
+# Shared memory of one SM (228 KB on the H100; each block also reserves 1 KB).
+SM_SMEM = 228 * 1024
+# Registers a thread needs beyond accumulators and prefetch (fragments, addresses), roughly.
+REG_OVERHEAD = 40
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pad_to(value: int, mod: int, rem: int) -> int:
+    """Smallest v >= value with v % mod == rem (row strides that avoid bank conflicts)."""
+    return value + (rem - value) % mod
+
+
+@dataclass(frozen=True)
+class GemmFamily(Family):
+    flat: bool = False  # pointwise: pixel tiles over the flattened H*W plane
+
+    # -- geometry -------------------------------------------------------------------
+    def layout(self, spec: "ConvSpec", tiles: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Derived compile-time constants (UPPERCASE, as the template receives them).
+
+        `tiles` defaults to the spec's own.
+        """
+        t = dict(spec.tiles if tiles is None else tiles)
+        (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
+        epw = 1 if spec.dtype == "float32" else 2  # elements per 32-bit shared-memory word
+        bm, ck = t["block_m"], t["block_k"]
+        if self.flat:
+            tp, tq, full = 1, t["block_n"], True
+        else:
+            tp, tq, full = t["tile_p"], t["tile_q"], bool(t["full_kh"])
+        bn = tp * tq
+        warps_m, warps_n = t["warps_m"], t["warps_n"]
+        nth = 32 * warps_m * warps_n
+        kp = ck // epw  # words per (kernel row, kernel column) per stage
+        kr = kh if full else 1  # kernel rows per stage
+        ksw = kr * kw * kp  # reduction words per stage
+        # A is [BLOCK_M][AKS] words: AKS % 8 == 4 makes fragment loads conflict-free.
+        aks = _pad_to(ksw, 8, 4)
+        if self.flat:
+            xp, xq = 1, bn
+        else:
+            xp = (tp - 1) * sh + (kh - 1) * dh + 1 if full else tp
+            xq = (tq - 1) * sw + (kw - 1) * dw + 1
+        # B planes are [XP][XQ] words, CS apart; CS % 16 == 8 makes fragment loads conflict-free.
+        cs = _pad_to(xp * xq, 16, 8)
+        cchunks = _ceil(spec.cin_per_group, ck)
+        kstages = cchunks * (kh // kr)
+        wres = kstages == 1
+        xwords = kp * cs
+        wwords = bm * aks
+        smem_words = wwords + 2 * xwords if wres else 2 * (wwords + xwords)
+        mt, nt = bm // warps_m // 16, bn // warps_n // 8
+        prefetch = _ceil(kp * xp * xq, nth) * epw + (0 if wres else _ceil(bm * ksw, nth) * epw)
+        if self.flat:  # the 16-byte path loads 4 pixels per unit
+            prefetch = max(prefetch, _ceil(kp * bn // 4, nth) * 4)
+        acc = mt * nt * 4
+        smem = smem_words * 4
+        return {
+            "FLAT": self.flat, "EPW": epw, "BM": bm, "CK": ck, "TP": tp, "TQ": tq, "BN": bn,
+            "FULL": full, "NTH": nth, "WARPS_M_": warps_m, "WARPS_N_": warps_n, "MT": mt, "NT": nt,
+            "KP": kp, "KR": kr, "KSW": ksw, "AKS": aks, "XP": xp, "XQ": xq, "CS": cs,
+            "CCHUNKS": cchunks, "KSTAGES": kstages, "WRES": wres, "XWORDS": xwords, "WWORDS": wwords,
+            "SMEM_BYTES": smem, "MB": _ceil(spec.cout_per_group, bm), "MINB": t["min_blocks"],
+            "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc,
+        }
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        lay = self.layout(spec)
+        return {k: v for k, v in lay.items() if k not in ("PREFETCH_WORDS", "ACC_PER_THREAD")}
+
+    # -- what can be served --------------------------------------------------------
+    def check_shape(self, spec: "ConvSpec") -> None:
+        (kh, kw), (sh, sw) = spec.kernel_size, spec.stride
+        if self.flat:
+            if (kh, kw) != (1, 1):
+                raise Unsupported(f"pointwise serves 1x1 kernels, not {kh}x{kw}; use igemm")
+            if (sh, sw) != (1, 1) or any(spec.padding):
+                raise Unsupported(f"pointwise needs stride 1 and no padding (got stride {spec.stride}, "
+                                  f"padding {spec.padding}); use igemm")
+        if spec.out_channels * spec.cin_per_group * kh * kw >= 2**31:
+            raise Unsupported("weights with 2^31 or more elements")
+        if spec.tiles:  # a spec still being chosen carries none yet
+            self.check_tiles(spec, dict(spec.tiles))
+
+    def check_tiles(self, spec: "ConvSpec", t: Mapping[str, int]) -> None:
+        """Raise Unsupported if tiles `t` cannot compute `spec` (registers, shared memory)."""
+        lay = self.layout(spec, t)
+        epw = lay["EPW"]
+        if t["block_k"] % (8 * epw):
+            raise Unsupported(f"block_k={t['block_k']} must be a multiple of {8 * epw} for {spec.dtype} "
+                              f"(one MMA k-step)")
+        if t["block_m"] % (16 * t["warps_m"]):
+            raise Unsupported(f"block_m={t['block_m']} is not a multiple of 16*warps_m={16 * t['warps_m']}")
+        if lay["BN"] % (8 * t["warps_n"]):
+            raise Unsupported(f"the pixel tile ({lay['BN']}) is not a multiple of 8*warps_n={8 * t['warps_n']}")
+        if lay["NTH"] > MAX_THREADS:
+            raise Unsupported(f"warps_m*warps_n={lay['NTH'] // 32} warps exceed {MAX_THREADS // 32}")
+        if lay["ACC_PER_THREAD"] > MAX_ACC_PER_THREAD:
+            raise Unsupported(f"warp tile holds {lay['ACC_PER_THREAD']} accumulators per thread "
+                              f"(> {MAX_ACC_PER_THREAD}); add warps or shrink the block")
+        if lay["PREFETCH_WORDS"] > MAX_PREFETCH_WORDS:
+            raise Unsupported(f"a stage needs {lay['PREFETCH_WORDS']} prefetch registers per thread "
+                              f"(> {MAX_PREFETCH_WORDS}); shrink block_k or the tile, or add warps")
+        if t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) > SM_SMEM or t["min_blocks"] * lay["NTH"] > 2048:
+            raise Unsupported(f"min_blocks={t['min_blocks']} blocks of {lay['SMEM_BYTES']} bytes of shared memory "
+                              f"and {lay['NTH']} threads do not fit one SM")
+        if lay["SMEM_BYTES"] > SMEM_LIMIT:
+            raise Unsupported(f"tiles need {lay['SMEM_BYTES']} bytes of shared memory (> {SMEM_LIMIT}); "
+                              f"shrink block_k, block_m or the pixel tile")
+
+    # -- heuristics -------------------------------------------------------------------
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem") -> dict[str, int]:
+        """Tiles for a problem shape.
+
+        - block_m covers COUT_G up to 128 (32/64/128): each staged input value feeds as
+          many output channels as possible; 8 warps as 2x4 (1x4 below 64 channels).
+        - block_k takes all of CIN_G when that is at most 64 channels: the reduction is
+          one stage, the weights stay resident and blocks are persistent (the
+          memory-bound 1x1 and small-CIN k x k cases). Otherwise 16 channels, or 8 for
+          float32 kernels of 5x5 and up (smaller weight slices per stage).
+        - Pixels: a long reduction (CIN_G*KH*KW >= 256: compute-bound) gets 256 pixels
+          per block, i.e. a 64x64 warp tile, which halves shared-memory traffic per MMA;
+          a short one gets 128 (64x32 warp tiles, fewer registers, so two blocks fit an SM
+          and one stores while the other computes). igemm shapes the patch to the output
+          width: 2x64 / 1x128 for wide rows (2x128 / 4x64 when long), narrower otherwise.
+        - Kernel rows: all staged at once (full_kh=1) up to 3 rows, one per stage above.
+        - min_blocks=2 when the register estimate (accumulators + prefetch + 40) allows two
+          256-thread blocks per SM without spilling, else 1.
+        The first candidate that passes check_tiles wins.
+        """
+        epw = 1 if spec.dtype == "float32" else 2
+        cout_g, cin_g = spec.cout_per_group, spec.cin_per_group
+        kh, kw = spec.kernel_size
+        heavy = cin_g * kh * kw >= 256
+        bm = 128 if cout_g > 64 else 64 if cout_g > 32 else 32
+        kmin = 8 * epw
+        full_k = _ceil(cin_g, kmin) * kmin
+        candidates_k = [full_k] if full_k <= 64 else []
+        small_k = 8 if (kh * kw >= 25 and epw == 1) else 16
+        candidates_k += [k for k in (max(small_k, kmin), 16, 32) if k % kmin == 0 and k < full_k]
+        candidates_k = list(dict.fromkeys(candidates_k)) or [kmin]
+        warps_m = 2 if bm >= 64 else 1
+        bn_list = (256, 128, 64) if heavy and bm == 128 else (128, 64)
+        tiles: list[dict[str, int]] = []
+        for ck in candidates_k:
+            base = {"block_m": bm, "block_k": ck, "warps_m": warps_m, "warps_n": 4}
+            for bn in bn_list:
+                if self.flat:
+                    tiles.append({**base, "block_n": bn})
+                    continue
+                q = problem.Q
+                wide = [(2, 64), (1, 128), (4, 32)] if q > 96 else [(4, 32), (2, 64)] if q > 24 else [(8, 16)]
+                shapes = [(tp * bn // 128, tq) for tp, tq in wide if tp * bn // 128 >= 1]
+                if bn == 64:
+                    shapes = [(tp // 2, tq) for tp, tq in wide if tp >= 2] + [(1, 64)]
+                for full in ((1, 0) if kh <= 3 else (0, 1)):
+                    for tp, tq in shapes:
+                        tiles.append({**base, "tile_p": tp, "tile_q": tq, "full_kh": full})
+        for cand in tiles:
+            cand = {k: v for k, v in cand.items() if k in self.tiles}
+            if any(k not in cand for k in self.tiles if k != "min_blocks"):
+                continue
+            if any(v not in self.tiles[k] for k, v in cand.items()):
+                continue
+            lay = self.layout(spec, {**cand, "min_blocks": 1})
+            # Two blocks per SM (one storing while the other computes) when registers allow
+            # it without spilling: 65536 registers / (2 * 256 threads) = 128 per thread.
+            regs = lay["ACC_PER_THREAD"] + lay["PREFETCH_WORDS"] + REG_OVERHEAD
+            if spec.dtype == "float32" and spec.math == "ieee":
+                regs += lay["MT"] * 4
+            if regs > 240:  # would spill even alone on the SM
+                continue
+            fits2 = 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and regs * lay["NTH"] * 2 <= 65536
+            cand["min_blocks"] = 2 if fits2 else 1
+            try:
+                self.check_tiles(spec, cand)
+            except Unsupported:
+                continue
+            return cand
+        raise Unsupported(f"{self.name}: no tile configuration fits {spec.summary()}")
+
+
+_COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "bfloat16"), tf32=True)
+
+pointwise = GemmFamily(
+    name="pointwise", template="cuda/pointwise.cu.j2", flat=True,
+    tiles={"block_m": (32, 64, 128), "block_n": (32, 64, 128, 256), "block_k": (8, 16, 32, 64, 128),
+           "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8), "min_blocks": (1, 2)},
+    **_COMMON,
+)
+
+igemm = GemmFamily(
+    name="igemm", template="cuda/igemm.cu.j2",
+    tiles={"block_m": (32, 64, 128), "tile_p": (1, 2, 4, 8, 16), "tile_q": (8, 16, 32, 64, 128),
+           "block_k": (8, 16, 32, 64), "full_kh": (0, 1), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8),
+           "min_blocks": (1, 2)},
+    **_COMMON,
+)
+
+FAMILIES = (pointwise, igemm)

@@ -1,0 +1,170 @@
+"""CPU-tier tests of the tensor-core families (`pointwise`, `igemm`): no GPU needed.
+
+What they cover: which specs each family accepts, that default tiles pass the family's
+own checks, that the templates render under StrictUndefined, and (when nvcc is on the
+PATH) that the rendered CUDA compiles for sm_90a with tensor-core MMAs in it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernelgen import families as _families
+from kernelgen.errors import ConvArgumentError, Unsupported
+from kernelgen.families import gemm
+from kernelgen.spec import ConvSpec, Problem
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+    """The families must be in the registry for ConvSpec to accept them; add them if the
+    registry does not list the module yet."""
+    reg = _families.all_families()
+    added = [f.name for f in gemm.FAMILIES if f.name not in reg]
+    for f in gemm.FAMILIES:
+        reg.setdefault(f.name, f)
+    yield
+    for name in added:
+        reg.pop(name, None)
+
+
+def _spec(family, cin, cout, k, stride=1, padding=0, dilation=1, groups=1, dtype="float32", math="tf32",
+          bias=False, nhw=(2, 40, 44), tiles=None):
+    if dtype != "float32":
+        math = "ieee"
+    fam = _families.get_family(family)
+    params = dict(in_channels=cin, out_channels=cout, kernel_size=k, stride=stride, padding=padding,
+                  dilation=dilation, groups=groups, dtype=dtype, bias=bias, device="cuda", layout="nchw",
+                  math=math, family=family)
+    if tiles is None:
+        probe = ConvSpec(**params, tiles={n: v[0] for n, v in fam.tiles.items()})
+        P, Q = probe.output_size(nhw[1], nhw[2])
+        fam.check_shape(_shape_only(probe))
+        tiles = fam.default_tiles(probe, Problem(nhw[0], nhw[1], nhw[2], P, Q))
+    spec = ConvSpec(**params, tiles=tiles)
+    fam.check(spec)
+    return spec
+
+
+def _shape_only(spec):
+    """The spec as the dispatcher first checks it: no tiles yet (check_shape then skips tile checks)."""
+    clone = ConvSpec.from_dict(spec.to_dict())
+    object.__setattr__(clone, "tiles", ())
+    return clone
+
+
+# -- what each family accepts ------------------------------------------------------------------
+
+def test_pointwise_rejects_non_1x1_and_strided():
+    with pytest.raises(Unsupported, match="1x1"):
+        _spec("pointwise", 16, 32, 3)
+    with pytest.raises(Unsupported, match="stride 1"):
+        _spec("pointwise", 16, 32, 1, stride=2)
+    with pytest.raises(Unsupported, match="padding"):
+        _spec("pointwise", 16, 32, 1, padding=1)
+
+
+def test_families_reject_float64_cpu_and_other_layouts():
+    base = _spec("igemm", 16, 32, 3)
+    fam = _families.get_family("igemm")
+    for change, what in ((dict(dtype="float64", math="ieee"), "dtype"), (dict(layout="nhwc"), "layout"),
+                         (dict(layout="any"), "layout")):
+        with pytest.raises(Unsupported, match=what):
+            fam.check(base.replace(**change))
+
+
+def test_tile_checks_name_the_problem():
+    fam = _families.get_family("igemm")
+    spec = _spec("igemm", 16, 32, 3)
+    bad = dict(spec.tiles)
+    bad.update(block_m=128, warps_m=1, warps_n=1, tile_p=16, tile_q=128)  # 128x2048 per warp
+    with pytest.raises(Unsupported, match="accumulators"):
+        fam.check_tiles(spec, bad)
+    bad = dict(spec.tiles, block_k=8)
+    with pytest.raises(Unsupported, match="multiple of 16"):
+        fam.check_tiles(spec.replace(dtype="bfloat16", math="ieee"), bad)
+    with pytest.raises(ConvArgumentError):
+        spec.replace(tiles=dict(spec.tiles, tile_q=24))  # not an allowed value
+
+
+GRID = list(itertools.product(
+    [(1, 1), (3, 3), (5, 7), (3, 1)], [1, 2], [1, 2], [1, 2], [("float32", "tf32"), ("float32", "ieee"),
+                                                               ("float16", "ieee"), ("bfloat16", "ieee")],
+    [False, True]))
+
+
+def _grid_spec(k, stride, dil, groups, dm, bias):
+    dtype, math = dm
+    family = "pointwise" if k == (1, 1) and stride == 1 and dil == 1 else "igemm"
+    return _spec(family, 16 * groups, 24 * groups, k, stride=stride, padding=(k[0] // 2, k[1] // 2) if
+                 family == "igemm" else 0, dilation=dil, groups=groups, dtype=dtype, math=math, bias=bias)
+
+
+@pytest.mark.parametrize("k,stride,dil,groups,dm,bias", GRID)
+def test_default_tiles_valid_and_render(k, stride, dil, groups, dm, bias):
+    spec = _grid_spec(k, stride, dil, groups, dm, bias)
+    fam = _families.get_family(spec.family)
+    lay = fam.layout(spec)
+    assert lay["AKS"] % 8 == 4 and lay["CS"] % 16 == 8  # conflict-free fragment strides
+    assert lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
+    src = _render(spec)
+    assert "kg_launch" in src and "{{" not in src and "{% " not in src  # asm operands look like {%0
+
+
+def _render(spec) -> str:
+    try:
+        from kernelgen.render import render
+    except ImportError:  # pragma: no cover - render.py not there yet
+        import jinja2
+        env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates")),
+                                 undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        fam = _families.get_family(spec.family)
+        return env.get_template(fam.template).render(spec.template_context())
+    return render(spec).cuda
+
+
+def test_default_tiles_for_the_benchmark_cases():
+    p87 = _spec("pointwise", 64, 128, 1, nhw=(16, 1024, 1024))
+    t = dict(p87.tiles)
+    assert t["block_k"] == 64 and t["block_m"] == 128  # one stage: weights resident
+    p63 = _spec("igemm", 16, 128, 3, nhw=(16, 1024, 1024))
+    assert gemm.igemm.layout(p63)["WRES"]
+    p56 = _spec("igemm", 64, 128, (5, 7), nhw=(8, 512, 256))
+    assert gemm.igemm.layout(p56)["BN"] == 256  # compute-bound: 64x64 warp tiles
+
+
+def test_small_and_odd_shapes_get_tiles():
+    for cin, cout, k, groups in ((3, 64, 7, 1), (4, 4, 3, 1), (6, 10, 3, 2), (2048, 512, 1, 1), (512, 1000, 3, 1)):
+        family = "pointwise" if k == 1 else "igemm"
+        for dtype in ("float32", "bfloat16"):
+            _spec(family, cin, cout, k, groups=groups, dtype=dtype, nhw=(1, 7, 7))
+
+
+# -- compile (needs nvcc) ----------------------------------------------------------------------
+
+NVCC = shutil.which("nvcc")
+COMPILE_GRID = [g for i, g in enumerate(GRID) if i % 5 == 0]  # every MATH/dtype/kernel seen, ~50 builds
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("k,stride,dil,groups,dm,bias", COMPILE_GRID)
+def test_compiles_for_sm90a(k, stride, dil, groups, dm, bias, tmp_path):
+    spec = _grid_spec(k, stride, dil, groups, dm, bias)
+    src = tmp_path / "k.cu"
+    src.write_text(_render(spec))
+    obj = tmp_path / "k.o"
+    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-c", str(src), "-o", str(obj)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(NVCC), "cuobjdump")
+    if os.path.exists(cuobjdump):
+        sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True).stdout
+        assert "HMMA" in sass
