@@ -78,7 +78,13 @@ def lookup_key(spec: ConvSpec, toolchain: Toolchain) -> str:
 
 
 def module_name(key: str) -> str:
-    return f"kg_{key}"
+    """A fresh module name for a build of `key`: the key plus a nonce.
+
+    torch's load_inline remembers every name it built in this process and silently
+    skips a second build of the same name and sources (even in another directory), so
+    each build gets a name of its own; the manifest records which one an entry holds.
+    """
+    return f"kg_{key}_{uuid.uuid4().hex[:8]}"
 
 
 @dataclass

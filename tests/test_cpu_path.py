@@ -1,0 +1,136 @@
+"""Compile tier: the CPU family through the whole pipeline, against F.conv2d in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgen
+
+pytestmark = pytest.mark.compile
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def reference(x, w, b, **kw):
+    return F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw)
+
+
+CASES = [
+    # (N, C, H, W), (K, kh, kw), kwargs
+    ((2, 8, 17, 19), (16, 3, 5), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)),
+    ((1, 3, 16, 16), (8, 3, 3), dict(padding=1)),
+    ((2, 4, 15, 13), (6, 1, 1), dict()),
+    ((2, 4, 15, 13), (6, 1, 1), dict(stride=2)),
+    ((2, 6, 12, 20), (6, 3, 3), dict(groups=6, padding=1)),               # depthwise
+    ((2, 4, 12, 20), (8, 3, 1), dict(groups=4)),                          # depthwise x2, k x 1
+    ((2, 4, 11, 9), (4, 1, 3), dict(groups=4, padding=(0, 1))),           # 1 x k
+    ((1, 4, 10, 10), (5, 4, 4), dict(padding="same")),                    # even kernel, 'same'
+    ((1, 4, 10, 12), (5, 2, 3), dict(padding="same", dilation=(2, 3))),
+    ((2, 4, 9, 9), (5, 3, 3), dict(padding="valid", stride=3)),
+    ((3, 2, 7, 31), (3, 5, 7), dict(padding=(2, 3))),
+    ((1, 2, 5, 5), (2, 5, 5), dict()),                                    # output 1 x 1
+]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("xshape,wshape,kw", CASES)
+def test_matches_f_conv2d(xshape, wshape, kw, bias):
+    g = kw.get("groups", 1)
+    x = torch.randn(*xshape)
+    w = torch.randn(wshape[0], xshape[1] // g, wshape[1], wshape[2])
+    b = torch.randn(wshape[0]) if bias else None
+    y = kernelgen.conv2d(x, w, b, **kw)
+    ref = reference(x, w, b, **kw)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert rel_err(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_dtypes(dtype):
+    x = torch.randn(2, 4, 13, 11)
+    w = torch.randn(6, 2, 3, 3)
+    b = torch.randn(6)
+    kw = dict(padding=1, groups=2)
+    y = kernelgen.conv2d(x.to(dtype), w.to(dtype), b.to(dtype), **kw)
+    ref = reference(x.to(dtype), w.to(dtype), b.to(dtype), **kw)
+    assert y.dtype == dtype
+    if dtype == torch.float64:
+        assert rel_err(y, ref) <= 1e-12
+    else:
+        torch_err = rel_err(F.conv2d(x.to(dtype), w.to(dtype), b.to(dtype), **kw), ref)
+        assert rel_err(y, ref) <= max(1.5 * torch_err, 1e-3)
+
+
+def test_unbatched_input():
+    x = torch.randn(4, 9, 9)
+    w = torch.randn(5, 4, 3, 3)
+    y = kernelgen.conv2d(x, w, padding=1)
+    assert y.shape == (5, 9, 9)
+    assert rel_err(y, reference(x, w, None, padding=1)) <= 1e-5
+
+
+def test_channels_last_and_non_contiguous_inputs():
+    x = torch.randn(2, 8, 14, 14)
+    w = torch.randn(6, 8, 3, 3)
+    for xin, win in [(x.contiguous(memory_format=torch.channels_last), w),
+                     (x, w.contiguous(memory_format=torch.channels_last)),
+                     (torch.randn(2, 14, 14, 8).permute(0, 3, 1, 2), w),     # a permuted view
+                     (torch.randn(2, 8, 28, 29)[:, :, ::2, 1::2], w),         # strided view
+                     (torch.randn(1, 8, 1, 14).expand(2, 8, 14, 14), w)]:     # zero strides
+        y = kernelgen.conv2d(xin, win, padding=1)
+        ref = F.conv2d(xin, win, padding=1)
+        assert rel_err(y, ref.double()) <= 1e-5
+        assert y.is_contiguous(memory_format=torch.channels_last) == ref.is_contiguous(
+            memory_format=torch.channels_last)
+        assert y.is_contiguous() == ref.is_contiguous()
+
+
+def test_empty_batch():
+    y = kernelgen.conv2d(torch.randn(0, 4, 8, 8), torch.randn(6, 4, 3, 3))
+    assert y.shape == (0, 6, 6, 6)
+
+
+def test_conv2d_module_is_a_drop_in():
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(4, 6, kernel_size=(3, 5), stride=(1, 2), padding=(1, 2), dilation=1, groups=2)
+    mine = kernelgen.Conv2d(4, 6, kernel_size=(3, 5), stride=(1, 2), padding=(1, 2), dilation=1, groups=2)
+    assert mine.state_dict().keys() == ref.state_dict().keys()
+    mine.load_state_dict(ref.state_dict())
+    ref.load_state_dict(mine.state_dict())
+    x = torch.randn(2, 4, 12, 13)
+    with torch.no_grad():
+        assert rel_err(mine(x), ref(x).double()) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_conv2d_module_padding_modes(mode):
+    ref = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode=mode)
+    mine = kernelgen.Conv2d(3, 4, 3, padding=1, padding_mode=mode)
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(1, 3, 9, 9)
+    with torch.no_grad():
+        assert rel_err(mine(x), ref(x).double()) <= 1e-5
+
+
+def test_forward_with_grad_backward_explains():
+    m = kernelgen.Conv2d(3, 4, 3)
+    y = m(torch.randn(1, 3, 8, 8))
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError, match="no backward kernels"):
+        y.sum().backward()
+
+
+def test_each_spec_compiles_once_per_process(fresh_cache):
+    x = torch.randn(1, 3, 10, 10)
+    w = torch.randn(4, 3, 3, 3)
+    before = kernelgen.stats()["compiles"]
+    for _ in range(10):
+        kernelgen.conv2d(x, w)
+    assert kernelgen.stats()["compiles"] == before + 1
+    # a different batch size or image size reuses the same kernel
+    kernelgen.conv2d(torch.randn(3, 3, 17, 12), w)
+    assert kernelgen.stats()["compiles"] == before + 1
