@@ -266,6 +266,16 @@ def cmd_warm(args) -> int:
         _err(e)
 
     cache = _cache(args)
+    if args.dry_run:
+        if args.json:
+            _dump({"cache_dir": str(cache.root), "errors": errors, "items": [
+                {"summary": i.spec.summary(), "arch": i.toolchain.arch, "origin": i.origin, "spec": i.spec.to_dict()}
+                for i in items]})
+        else:
+            for i in items:
+                print(f"{i.spec.summary()}  ({i.toolchain.arch})  from {i.origin}")
+            print(f"kernelgen warm --dry-run: {len(items)} specialisation(s) would be warmed")
+        return EXIT_USAGE if errors else EXIT_OK
     reporter = Reporter(len(items), args.json)
     start = time.perf_counter()
     try:
@@ -640,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA targets, e.g. sm_80,sm_90a, built instead of the local GPU's (needs torch with CUDA)")
     w.add_argument("--jobs", "-j", type=_positive, default=None,
                    help="parallel builds (default: $KERNELGEN_JOBS or the number of cores)")
+    w.add_argument("--dry-run", action="store_true", help="list the specialisations found; build nothing")
     w.set_defaults(func=cmd_warm)
 
     c = sub.add_parser("cache", help="list, inspect, prune, clear, export and import cache entries",

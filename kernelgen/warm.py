@@ -25,6 +25,7 @@ lock: two warm runs over the same specs compile each key once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import json
 import multiprocessing
@@ -413,9 +414,11 @@ def _cached_key(cache, item: Item) -> str | None:
         key = cache.index_get(lookup_key(item.spec, item.toolchain))
         if key is None:
             key = cache_key(item.spec, render(item.spec), item.toolchain)
-        cache.read_entry(key, item.toolchain, verify_so=True)
+        entry = cache.read_entry(key, item.toolchain, verify_so=True)
     except (InvalidEntry, OSError, ValueError):
         return None
+    with contextlib.suppress(OSError):  # warming is a use: keep it from `cache prune --older-than`
+        (entry.path / "last_used").touch()
     return key
 
 
