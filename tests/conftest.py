@@ -34,10 +34,12 @@ def session_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kernelgen-cache")
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(request, monkeypatch, session_cache):
-    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(session_cache))
-    yield
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(session_cache):
+    # Session-wide, so module-scoped fixtures (the GPU tier's parallel warm-up) see it too.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KERNELGEN_CACHE_DIR", str(session_cache))
+        yield
 
 
 @pytest.fixture

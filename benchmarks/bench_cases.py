@@ -1,0 +1,187 @@
+"""The five KernelBench cases in every precision: kernelgen beside F.conv2d, on one GPU.
+
+    python benchmarks/bench_cases.py [--json out.json] [--cases 87,56] [--precisions tf32,ieee,bf16]
+
+For each case and precision (float32 with TF32 allowed, strict float32, bfloat16) it
+times kernelgen.conv2d and F.conv2d in this process (median of CUDA-event-timed runs
+after warm-up, everything conv2d does per call included), measures the card's copy
+bandwidth and GEMM peaks to compute each case's floor, and checks accuracy against
+float64 per ../shared/PERF.md. Accuracy is measured on the first two images of the
+batch (errors are per image; the float64 reference of a whole batch of case 63 would
+need 17 GB); every output element of the timed call is checked to be finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernelgen  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    N: int
+    C: int
+    K: int
+    H: int
+    W: int
+    kernel: tuple[int, int]
+    groups: int = 1
+    stride: int = 1
+    padding: int = 0
+
+
+CASES = {
+    "87": Case("87 pointwise", 16, 64, 128, 1024, 1024, (1, 1)),
+    "56": Case("56 asymmetric", 8, 64, 128, 512, 256, (5, 7)),
+    "63": Case("63 square", 16, 16, 128, 1024, 1024, (3, 3)),
+    "84": Case("84 depthwise", 64, 128, 128, 256, 512, (3, 3), groups=128),
+    "83": Case("83 depthwise kx1", 64, 8, 8, 512, 512, (3, 1), groups=8),
+}
+
+# Targets in ms on the H100 (../shared/PERF.md).
+TARGETS = {
+    "87": {"tf32": 4.50, "ieee": 5.5, "bf16": 2.4},
+    "56": {"tf32": 1.90, "ieee": 13.0, "bf16": 1.2},
+    "63": {"tf32": 3.70, "ieee": 10.0, "bf16": 2.0},
+    "84": {"tf32": 3.20, "ieee": 3.20, "bf16": 1.6},
+    "83": {"tf32": 0.42, "ieee": 0.42, "bf16": 0.21},
+}
+
+
+def event_ms(fn, warmup: int = 3, reps: int = 15) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    """Measured copy bandwidth (bytes read + written per second) and GEMM peaks (FLOP/s)."""
+    out = {}
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = event_ms(lambda: b.copy_(a), reps=10)
+    out["copy_Bps"] = 2 * a.numel() / (ms * 1e-3)
+    del a, b
+    n = 8192
+    for name, dtype, tf32 in (("tf32", torch.float32, True), ("ieee", torch.float32, False),
+                              ("bf16", torch.bfloat16, False)):
+        x = torch.randn(n, n, device="cuda", dtype=dtype)
+        y = torch.randn(n, n, device="cuda", dtype=dtype)
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        ms = event_ms(lambda: x @ y, warmup=2, reps=5)
+        torch.backends.cuda.matmul.allow_tf32 = prev
+        out[f"{name}_flops"] = 2 * n ** 3 / (ms * 1e-3)
+    return out
+
+
+def rel_err(y, ref) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def set_tf32(allowed: bool) -> None:
+    torch.backends.cudnn.allow_tf32 = allowed
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+
+
+def run_case(key: str, precision: str, peaks: dict[str, float]) -> dict:
+    c = CASES[key]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    set_tf32(precision != "ieee")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.rand(c.N, c.C, c.H, c.W, device="cuda", generator=g).to(dtype)
+    w = (torch.rand(c.K, c.C // c.groups, *c.kernel, device="cuda", generator=g) - 0.5).to(dtype)
+    kw = dict(stride=c.stride, padding=c.padding, groups=c.groups)
+
+    y = kernelgen.conv2d(x, w, **kw)  # compiles on first use, outside the timing
+    finite = bool(torch.isfinite(y).all())
+    kg_ms = event_ms(lambda: kernelgen.conv2d(x, w, **kw))
+    torch_ms = event_ms(lambda: F.conv2d(x, w, **kw))
+
+    xs = x[:2]
+    ref = F.conv2d(xs.double(), w.double(), **kw)
+    kg_err = rel_err(y[:2], ref)
+    torch_err = rel_err(F.conv2d(xs, w, **kw), ref)
+    if precision == "ieee":
+        bound, rule = 1e-5, "<= 1e-5"
+    else:
+        bound, rule = 1.5 * torch_err, "<= 1.5x F.conv2d's"
+    del y
+
+    P = (c.H + 2 * c.padding - c.kernel[0]) // c.stride + 1
+    Q = (c.W + 2 * c.padding - c.kernel[1]) // c.stride + 1
+    flops = 2 * c.N * c.K * P * Q * (c.C // c.groups) * c.kernel[0] * c.kernel[1]
+    elt = x.element_size()
+    nbytes = elt * (x.numel() + w.numel() + c.N * c.K * P * Q)
+    floor_ms = max(nbytes / peaks["copy_Bps"], flops / peaks[f"{precision}_flops"]) * 1e3
+    target = TARGETS[key][precision]
+    accurate = finite and kg_err <= bound
+    spec = kernelgen.functional.spec_for(x, w, None, **kw)[0]
+    return dict(case=c.name, precision=precision, kernelgen_ms=kg_ms, torch_ms=torch_ms, speedup=torch_ms / kg_ms,
+                floor_ms=floor_ms, pct_of_floor=100 * floor_ms / kg_ms, rel_err=kg_err, torch_rel_err=torch_err,
+                accuracy_rule=rule, accurate=accurate, target_ms=target,
+                met=accurate and kg_ms <= target and kg_ms <= torch_ms, family=spec.family, spec=spec.summary())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--precisions", default="tf32,ieee,bf16")
+    ap.add_argument("--json", help="write the results here as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cases.py needs a CUDA device", file=sys.stderr)
+        return 2
+    peaks = ceilings()
+    print(f"# {torch.cuda.get_device_name()}: copy {peaks['copy_Bps'] / 1e12:.2f} TB/s, TF32 "
+          f"{peaks['tf32_flops'] / 1e12:.0f}, FP32 {peaks['ieee_flops'] / 1e12:.0f}, bf16 "
+          f"{peaks['bf16_flops'] / 1e12:.0f} TFLOP/s; torch {torch.__version__}")
+    rows = []
+    for key in args.cases.split(","):
+        for precision in args.precisions.split(","):
+            try:
+                row = run_case(key, precision, peaks)
+            except Exception as exc:  # one broken case must not hide the others' numbers
+                row = dict(case=CASES[key].name, precision=precision, error=f"{type(exc).__name__}: {exc}"[:500])
+            rows.append(row)
+            torch.cuda.empty_cache()
+    set_tf32(True)
+    header = (f"| {'case':18} | prec | kernelgen ms | F.conv2d ms | speedup | % floor | rel err (rule) | target ms | met | family |")
+    print(header)
+    print("|" + "|".join("-" * (len(part)) for part in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['case']:18} | {r['precision']:4} | ERROR {r['error'][:150]}")
+            continue
+        print(f"| {r['case']:18} | {r['precision']:4} | {r['kernelgen_ms']:12.3f} | {r['torch_ms']:11.3f} | "
+              f"{r['speedup']:6.2f}x | {r['pct_of_floor']:6.1f}% | {r['rel_err']:.2e} ({r['accuracy_rule']}: "
+              f"{'ok' if r['accurate'] else 'FAIL'}) | {r['target_ms']:9.2f} | {'yes' if r['met'] else 'no':3} | "
+              f"{r['family']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                   ceilings=peaks, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

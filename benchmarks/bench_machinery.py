@@ -1,0 +1,169 @@
+"""How fast kernelgen's machinery is: cold compiles, warm starts, per-call overhead, parallel builds.
+
+    python benchmarks/bench_machinery.py [--json out.json] [--jobs 16]
+
+Targets (kernelgen issue 2): a cold compile of one specialisation <= 10 s (median); a
+fresh process calling a cached spec <= 5 ms on top of `import torch`; host overhead per
+call on a tiny convolution no more than F.conv2d's, side by side. Runs on the GPU when
+there is one, else on the CPU path (and says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import kernelgen  # noqa: E402
+from kernelgen import kernels  # noqa: E402
+from kernelgen.functional import clear_plans, spec_for  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# One spec per family the device has, each a kernel of the size the cases use.
+COLD = [  # (label, input shape, weight shape, kwargs)
+    ("direct 3x3", (1, 3, 32, 32), (8, 3, 3, 3), dict(padding=1)),
+    ("depthwise 3x3", (1, 32, 32, 32), (32, 1, 3, 3), dict(groups=32, padding=1)),
+    ("pointwise 1x1", (1, 64, 32, 32), (128, 64, 1, 1), dict()),
+    ("igemm 3x3", (1, 16, 32, 32), (128, 16, 3, 3), dict()),
+    ("igemm 5x7", (1, 64, 32, 32), (128, 64, 5, 7), dict()),
+]
+
+WARM_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    import torch
+    dev = {device!r}
+    x = torch.randn(1, 3, 32, 32, device=dev); w = torch.randn(8, 3, 3, 3, device=dev)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    import kernelgen
+    y = kernelgen.conv2d(x, w, padding=1)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    assert kernelgen.stats()["compiles"] == 0, "the spec was not cached"
+    print(t1 - t0)
+""")
+
+
+def cold_compiles(root: Path) -> list[dict]:
+    os.environ["KERNELGEN_CACHE_DIR"] = str(root)
+    kernels.clear_memo()
+    clear_plans()
+    out = []
+    for label, xs, ws, kw in COLD:
+        x, w = torch.randn(*xs, device=DEVICE), torch.randn(*ws, device=DEVICE)
+        spec, _ = spec_for(x, w, None, **kw)
+        before = kernels.stats()["compile_seconds"]
+        t0 = time.perf_counter()
+        kernelgen.conv2d(x, w, **kw)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        out.append(dict(label=label, family=spec.family, first_call_s=time.perf_counter() - t0,
+                        compile_s=kernels.stats()["compile_seconds"] - before))
+    return out
+
+
+def warm_start(root: Path, runs: int = 5) -> list[float]:
+    env = dict(os.environ, KERNELGEN_CACHE_DIR=str(root))
+    script = WARM_CHILD.format(repo=str(REPO), device=DEVICE)
+    subprocess.run([sys.executable, "-c", script.replace('assert kernelgen.stats()["compiles"] == 0, '
+                                                         '"the spec was not cached"', "")],
+                   env=env, check=True, capture_output=True)  # make sure it is cached
+    times = []
+    for _ in range(runs):
+        r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(r.stderr)
+        times.append(float(r.stdout.strip().splitlines()[-1]))
+    return times
+
+
+def host_overhead(calls: int = 3000) -> dict:
+    x = torch.randn(1, 4, 8, 8, device=DEVICE)
+    w = torch.randn(4, 4, 3, 3, device=DEVICE)
+    fns = {"kernelgen": lambda: kernelgen.conv2d(x, w, padding=1), "F.conv2d": lambda: F.conv2d(x, w, padding=1)}
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(50):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(5):  # interleave, so drift affects both alike
+        for name, fn in fns.items():
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()  # host time to issue the calls (the GPU may lag behind)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            samples[name].append((t1 - t0) / calls * 1e6)
+    for name in fns:
+        out[name] = statistics.median(samples[name])
+    return out
+
+
+def parallel_builds(root: Path, jobs: int) -> dict:
+    from kernelgen.warm import warm_specs
+
+    specs = []
+    for k in range(jobs):
+        x = torch.empty(1, 8 + k, 20, 20, device="meta")
+        w = torch.empty(16, 8 + k, 3, 3, device="meta")
+        specs.append(spec_for(x, w, None, padding=1, device=DEVICE)[0])
+    os.environ["KERNELGEN_CACHE_DIR"] = str(root)
+    t0 = time.perf_counter()
+    results = warm_specs(specs, jobs=jobs)
+    wall = time.perf_counter() - t0
+    return dict(specs=len(specs), jobs=jobs, wall_s=wall, sum_build_s=sum(r.seconds for r in results),
+                built=sum(r.status == "built" for r in results), failed=sum(r.status == "failed" for r in results))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kg-bench-") as tmp:
+        tmp = Path(tmp)
+        cold = cold_compiles(tmp / "cold")
+        warm = warm_start(tmp / "cold")
+        overhead = host_overhead()
+        par = parallel_builds(tmp / "par", args.jobs)
+    cold_median = statistics.median(r["compile_s"] for r in cold)
+    warm_median = statistics.median(warm) * 1e3
+    print(f"# machinery on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'the CPU path (no CUDA device)'}")
+    for r in cold:
+        print(f"cold compile  {r['label']:14} ({r['family']:9}): compile {r['compile_s']:5.2f} s, first call "
+              f"{r['first_call_s']:5.2f} s")
+    print(f"cold compile median: {cold_median:.2f} s (target <= 10 s): {'ok' if cold_median <= 10 else 'MISS'}")
+    print(f"fresh process, cached spec, import kernelgen + first call: median {warm_median:.2f} ms of "
+          f"{[round(t * 1e3, 2) for t in warm]} (target <= 5 ms): {'ok' if warm_median <= 5 else 'MISS'}")
+    print(f"host overhead per call, tiny conv: kernelgen {overhead['kernelgen']:.1f} us, F.conv2d "
+          f"{overhead['F.conv2d']:.1f} us (target: kernelgen <= F.conv2d): "
+          f"{'ok' if overhead['kernelgen'] <= overhead['F.conv2d'] else 'MISS'}")
+    print(f"parallel builds: {par['specs']} specs with {par['jobs']} jobs in {par['wall_s']:.1f} s wall "
+          f"({par['sum_build_s']:.1f} s of builds; {par['built']} built, {par['failed']} failed)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(cold=cold, cold_median_s=cold_median, warm_start_s=warm,
+                                                   host_overhead_us=overhead, parallel=par), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

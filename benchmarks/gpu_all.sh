@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU host's one job: the GPU test tier, the examples and the benchmarks, with every
+# log and result under $OUT (or ./gpu-out when OUT is unset).
+#
+#   bash benchmarks/gpu_all.sh [tests|examples|bench|all]    (default: all)
+#
+# The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
+# machine reuses what the first compiled.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+stage=${1:-all}
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-$PWD/.kgcache}
+export KERNELGEN_JOBS=${KERNELGEN_JOBS:-$(nproc)}
+mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
+status=0
+
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
+  | tee "$out/env.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >> "$out/env.txt" 2>&1
+
+if [[ $stage == tests || $stage == all ]]; then
+  # The GPU tier only: the CPU tier runs in CI. -p no:cacheprovider keeps the tree clean.
+  python3 -m pytest tests -m gpu -q -p no:cacheprovider -rfE 2>&1 | tee "$out/gpu_tests.log" | tail -40
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [[ $stage == examples || $stage == all ]]; then
+  # Warm every example's kernels ahead of time, then the main job must compile nothing.
+  python3 -m kernelgen warm --examples --jobs "$KERNELGEN_JOBS" 2>&1 | tee "$out/warm_examples.log" | tail -8
+  status=$(( status | ${PIPESTATUS[0]} ))
+  for p in tf32 ieee bf16; do
+    python3 examples/run_all.py --precision $p 2>&1 | tee "$out/run_all_$p.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+  done
+fi
+if [[ $stage == bench || $stage == all ]]; then
+  python3 benchmarks/bench_cases.py --json "$out/bench_cases.json" 2>&1 | tee "$out/bench_cases.log"
+  status=$(( status | ${PIPESTATUS[0]} ))
+  python3 benchmarks/bench_machinery.py --json "$out/bench_machinery.json" 2>&1 | tee "$out/bench_machinery.log"
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+echo "gpu_all.sh $stage: exit status $status"
+exit $status

@@ -1,0 +1,291 @@
+"""GPU tier: kernelgen.conv2d against F.conv2d in float64, on a CUDA device.
+
+A seeded random sweep of several hundred calls covers kernels, strides, paddings
+('same'/'valid' too), dilations, groups (dense, grouped, depthwise, depthwise with a
+multiplier), bias, batch sizes (unbatched too), every dtype and float32 precision,
+both memory formats and non-contiguous views. Every kernel the sweep needs is
+compiled up front, in parallel, through `kernelgen.warm`, so the tier takes minutes.
+
+Outputs are poisoned: a NaN-filled block of the output's size is freed just before
+each call, so the caching allocator hands it to the output and an element the kernel
+never wrote shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgen
+from kernelgen.functional import spec_for
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parent.parent
+N_CASES = 240
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Case:
+    idx: int
+    N: int  # 0 means unbatched
+    C: int
+    K: int
+    groups: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: object
+    dilation: tuple[int, int]
+    bias: bool
+    dtype: str
+    precision: str | None
+    layout: str  # contiguous, channels_last, weight_channels_last, strided_view
+    H: int
+    W: int
+    family: str | None
+
+    def __str__(self) -> str:
+        return (f"#{self.idx} N{self.N} {self.C}->{self.K} g{self.groups} k{self.kernel} s{self.stride} "
+                f"p{self.padding} d{self.dilation} {self.dtype}/{self.precision} {self.layout} {self.H}x{self.W}"
+                f"{' bias' if self.bias else ''}{' family=' + self.family if self.family else ''}")
+
+
+def make_cases(n: int, seed: int = 1234) -> list[Case]:
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        kind = rng.choice(["dense", "dense", "dense", "grouped", "depthwise", "depthwise", "pointwise", "pointwise"])
+        C = rng.choice([1, 2, 3, 4, 8, 16, 32, 64]) if kind != "pointwise" else rng.choice([8, 16, 32, 64, 96])
+        if kind == "depthwise":
+            C = rng.choice([1, 3, 8, 16, 32])
+            groups, K = C, C * rng.choice([1, 1, 2])
+        elif kind == "grouped":
+            C = rng.choice([4, 8, 16, 32, 64])
+            groups = rng.choice([g for g in (2, 4) if C % g == 0])
+            K = groups * rng.choice([1, 2, 4, 8])
+        else:
+            groups, K = 1, rng.choice([1, 4, 8, 16, 32, 64, 128])
+        if kind == "pointwise":
+            kernel = (1, 1)
+        else:
+            kernel = rng.choice([(3, 3), (3, 3), (5, 5), (3, 1), (1, 3), (5, 7), (7, 7), (2, 2), (1, 1), (4, 3)])
+        stride = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
+        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
+        if stride == (1, 1) and rng.random() < 0.15:
+            padding = rng.choice(["same", "valid"])
+        else:
+            padding = rng.choice([0, 0, 1, 2, (1, 2), (0, 3)])
+        dtype = rng.choice(["float32"] * 5 + ["float16", "bfloat16", "bfloat16", "float64"])
+        precision = rng.choice([None, "ieee", "tf32"]) if dtype == "float32" else None
+        layout = rng.choice(["contiguous"] * 4 + ["channels_last", "weight_channels_last", "strided_view"])
+        N = rng.choice([0, 1, 1, 2, 3, 4])
+        H, W = rng.randint(5, 48), rng.randint(5, 48)
+        # The padded input must hold the dilated kernel.
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H, W = max(H, eh), max(W, ew)
+        if N == 0 and layout != "strided_view":
+            layout = "contiguous"
+        family = "direct" if idx % 5 == 4 and dtype != "float64" else None
+        cases.append(Case(idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5, dtype,
+                          precision, layout, H, W, family))
+    return cases
+
+
+CASES = make_cases(N_CASES)
+
+
+def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
+    g = torch.Generator().manual_seed(case.idx if seed is None else seed)
+    dt = DTYPES[case.dtype]
+    shape = (case.C, case.H, case.W) if case.N == 0 else (case.N, case.C, case.H, case.W)
+    if case.layout == "strided_view":
+        big = torch.randn(*shape[:-1], case.W * 2, generator=g)
+        x = big.to(device=device, dtype=dt)[..., 1::2]  # every other column: W columns, stride 2
+    else:
+        x = torch.randn(*shape, generator=g).to(device=device, dtype=dt)
+    w = torch.randn(case.K, case.C // case.groups, *case.kernel, generator=g).to(device=device, dtype=dt)
+    b = torch.randn(case.K, generator=g).to(device=device, dtype=dt) if case.bias else None
+    if case.layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    if case.layout == "weight_channels_last":
+        w = w.contiguous(memory_format=torch.channels_last)
+    return x, w, b
+
+
+def conv_kwargs(case: Case) -> dict:
+    return dict(stride=case.stride, padding=case.padding, dilation=case.dilation, groups=case.groups)
+
+
+def rel_err(y, ref) -> float:
+    return ((y.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def call_poisoned(fn, out_numel: int, dtype: torch.dtype):
+    """Run fn() right after freeing a NaN block of the output's size, so the output reuses it."""
+    torch.empty(max(out_numel, 1), dtype=dtype, device="cuda").fill_(float("nan"))
+    return fn()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warmed(session_cache):
+    """Compile every kernel the sweep needs, in parallel, before the first test."""
+    from kernelgen.warm import warm_specs
+
+    specs = set()
+    for case in CASES:
+        x, w, b = make_tensors(case, device="meta")
+        spec, _ = spec_for(x, w, b, **conv_kwargs(case), device="cuda", precision=case.precision,
+                           family=case.family)
+        if spec is not None:
+            specs.add(spec)
+    results = warm_specs(sorted(specs, key=lambda s: s.to_json()), jobs=int(os.environ.get("KERNELGEN_JOBS", "16")))
+    failed = [r for r in results if r.status == "failed"]
+    assert not failed, "\n\n".join(f"{r.spec.summary()}:\n{r.message[-3000:]}" for r in failed[:5])
+    return results
+
+
+def tolerance(case: Case, x, w, b, ref) -> float:
+    kw = conv_kwargs(case)
+    if case.dtype == "float64":
+        return 1e-10
+    if case.dtype == "float32":
+        if case.precision == "ieee" or (case.precision is None and kernelgen.precision.torch_fp32_conv_math() == "ieee"):
+            return 1e-5
+        # TF32 allowed: cuDNN's own TF32 error on these inputs sets the bar (with a floor:
+        # for tiny reductions cuDNN often picks exact algorithms).
+        prev = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = True
+        try:
+            cudnn_err = rel_err(F.conv2d(x, w, b, **kw), ref)
+        finally:
+            torch.backends.cudnn.allow_tf32 = prev
+        return max(1.5 * cudnn_err, 1e-3)
+    torch_err = rel_err(F.conv2d(x, w, b, **kw), ref)
+    return max(1.5 * torch_err, 1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sweep_against_float64(case: Case):
+    x, w, b = make_tensors(case)
+    kw = conv_kwargs(case)
+    ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw)
+    out_numel = ref.numel()
+    y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, **kw, precision=case.precision, family=case.family),
+                      out_numel, x.dtype)
+    torch.cuda.synchronize()
+    assert y.shape == ref.shape and y.dtype == x.dtype and y.device == x.device
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+    expected = F.conv2d(x, w, b, **kw)
+    if y.dim() == 4:
+        assert y.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
+            memory_format=torch.channels_last), "output memory format differs from F.conv2d's"
+    err = rel_err(y, ref)
+    assert err <= tolerance(case, x, w, b, ref), f"relative error {err:.3g}"
+
+
+def test_no_fallbacks_happened():
+    assert kernelgen.stats()["fallbacks"] == 0
+
+
+def test_each_specialisation_compiles_once():
+    x = torch.randn(2, 8, 20, 20, device="cuda")
+    w = torch.randn(16, 8, 3, 3, device="cuda")
+    kernelgen.conv2d(x, w, padding=1)
+    before = kernelgen.stats()["compiles"]
+    for _ in range(10):
+        kernelgen.conv2d(x, w, padding=1)
+    kernelgen.conv2d(torch.randn(5, 8, 33, 17, device="cuda"), w, padding=1)  # new sizes, same kernel
+    assert kernelgen.stats()["compiles"] == before
+
+
+def test_current_stream_is_used():
+    x = torch.randn(4, 16, 64, 64, device="cuda")
+    w = torch.randn(32, 16, 3, 3, device="cuda")
+    ref = F.conv2d(x.double(), w.double(), padding=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = kernelgen.conv2d(x, w, padding=1, precision="ieee")
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()  # waiting on the side stream alone must be enough
+    assert rel_err(y, ref) <= 1e-5
+
+
+def test_cuda_graph_capture_and_replay():
+    x = torch.randn(2, 8, 32, 32, device="cuda")
+    w = torch.randn(16, 8, 3, 3, device="cuda")
+    b = torch.randn(16, device="cuda")
+    for _ in range(2):  # plan, compile and warm outside the capture
+        kernelgen.conv2d(x, w, b, padding=1, precision="ieee")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernelgen.conv2d(x, w, b, padding=1, precision="ieee")
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = F.conv2d(x.double(), w.double(), b.double(), padding=1)
+        assert rel_err(y, ref) <= 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+def test_second_device():
+    x = torch.randn(2, 8, 24, 24, device="cuda:1")
+    w = torch.randn(16, 8, 3, 3, device="cuda:1")
+    y = kernelgen.conv2d(x, w, padding=1, precision="ieee")
+    assert y.device == x.device
+    assert rel_err(y, F.conv2d(x.double(), w.double(), padding=1)) <= 1e-5
+    assert torch.cuda.current_device() == 0
+
+
+MEMCHECK = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    import torch, kernelgen
+    from kernelgen.families import all_families
+    def run(family, dtype, x_shape, w_shape, **kw):
+        x = torch.randn(*x_shape, device="cuda", dtype=dtype)[..., 1:]  # an offset view: unaligned rows
+        w = torch.randn(*w_shape, device="cuda", dtype=dtype)
+        b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
+        kernelgen.conv2d(x, w, b, family=family, **kw)
+    fams = all_families()
+    for dtype in (torch.float32, torch.bfloat16):
+        run("direct", dtype, (2, 8, 19, 24), (16, 4, 3, 5), groups=2, stride=2, padding=1)
+        if "depthwise" in fams:
+            run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
+            run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)
+        if "pointwise" in fams:
+            run("pointwise", dtype, (2, 32, 19, 24), (48, 32, 1, 1))
+        if "igemm" in fams:
+            run("igemm", dtype, (2, 16, 19, 24), (40, 16, 3, 3), padding=1)
+            run("igemm", dtype, (2, 16, 19, 24), (24, 16, 5, 7), stride=(2, 1))
+    torch.cuda.synchronize()
+    print("memcheck script done")
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/local/cuda/bin/compute-sanitizer")
+                    and subprocess.run(["which", "compute-sanitizer"], capture_output=True).returncode,
+                    reason="compute-sanitizer not found")
+def test_compute_sanitizer_memcheck_is_clean(tmp_path):
+    script = tmp_path / "memcheck.py"
+    script.write_text(MEMCHECK.format(repo=str(REPO)))
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")  # exact allocations, so overruns are seen
+    sanitizer = "compute-sanitizer" if subprocess.run(["which", "compute-sanitizer"], capture_output=True).returncode == 0 \
+        else "/usr/local/cuda/bin/compute-sanitizer"
+    r = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "1", sys.executable, str(script)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0 and "memcheck script done" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
