@@ -28,9 +28,10 @@ import shutil
 import tarfile
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from ._version import __version__
 from .cache import MANIFEST, Cache, InvalidEntry, cache_key, lookup_key
@@ -49,6 +50,10 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 <
                "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000 ** 4,
                "tib": 1 << 40}
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+# What a truncated or corrupt gzip/tar stream raises (gzip.BadGzipFile is an OSError).
+_READ_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
 
 
 class ArchiveError(KernelgenError, ValueError):
@@ -408,7 +413,7 @@ def import_archive(cache: Cache, archive: str | Path, archs: Sequence[str] | Non
         archs = _local_gpu_archs()
     try:
         tar = tarfile.open(archive, "r:*")
-    except (OSError, tarfile.TarError) as exc:
+    except _READ_ERRORS as exc:
         raise ArchiveError(f"cannot read {archive}: {exc}") from None
     outcomes: list[ImportOutcome] = []
     staging = cache.root / "staging" / f"import.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -416,7 +421,7 @@ def import_archive(cache: Cache, archive: str | Path, archs: Sequence[str] | Non
         try:
             top, files = _check_members(tar)
             listed = _read_archive_manifest(tar, top[ARCHIVE_MANIFEST], files)
-        except tarfile.TarError as exc:
+        except _READ_ERRORS as exc:
             raise ArchiveError(f"cannot read {archive}: {exc}") from None
         (staging / "entries").mkdir(parents=True, mode=0o700)
         try:
@@ -424,8 +429,11 @@ def import_archive(cache: Cache, archive: str | Path, archs: Sequence[str] | Non
                 if not re.fullmatch(_KEY, str(key)):
                     outcomes.append(ImportOutcome(str(key)[:64], "failed", "not a cache key"))
                     continue
-                outcomes.append(_import_one(cache, tar, staging, key, listed[key], files.get(key, {}), archs,
-                                            current, render))
+                try:
+                    outcomes.append(_import_one(cache, tar, staging, key, listed[key], files.get(key, {}), archs,
+                                                current, render))
+                except _READ_ERRORS as exc:  # truncated mid-way: what was imported stays, the rest fails
+                    outcomes.append(ImportOutcome(key, "failed", f"import failed: {exc}"))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return outcomes
