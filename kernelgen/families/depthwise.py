@@ -1,0 +1,152 @@
+"""Depthwise convolution on CUDA, NCHW: `groups == in_channels`, any channel multiplier.
+
+The template (templates/cuda/depthwise.cu.j2) is a bandwidth-bound stencil: a block
+stages the input window of a BLOCK_P x BLOCK_Q output tile of one plane in shared
+memory (16-byte cp.async loads when rows are aligned) and each thread sweeps ROWS
+output rows of its columns, keeping a rolling window of input rows in registers.
+
+Tile parameters (every combination is a valid kernel):
+    block_q  output columns per tile (lanes cover consecutive columns);
+    rows     output rows per thread;
+    threads  threads per block: min(block_q, threads) across a row, the rest stacked,
+             so a tile is BLOCK_P = rows * threads / min(block_q, threads) rows tall;
+    stages   1: one tile per block; 2: persistent blocks that prefetch the next tile's
+             window while computing the current one (double-buffered shared memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import ConvArgumentError, Unsupported
+from .base import Family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+# Kernel taps are held in registers by every thread (and the row loop unrolls over them):
+# beyond 9x9 the register file spills, so bigger depthwise kernels go to the general family.
+MAX_TAPS = 81
+# Shared memory per block: what sm_86/sm_89 can opt into (99 KiB) less a little slack, so a
+# kernel that fits here fits every GPU kernelgen targets; H100 then keeps >= 2 blocks per SM.
+SMEM_LIMIT = 96 * 1024
+
+TILES: Mapping[str, tuple[int, ...]] = {
+    # First values are the smallest window, so a spec that fits with them fits at all.
+    "block_q": (32, 64, 128, 256, 512),
+    "rows": (1, 2, 4, 8, 16),
+    "threads": (64, 128, 256, 512),
+    "stages": (1, 2),
+}
+
+
+def geometry(spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
+    """The tile's shape and shared-memory size, by the template's own formulas."""
+    (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
+    block_q, rows, threads, stages = tiles["block_q"], tiles["rows"], tiles["threads"], tiles["stages"]
+    threads_q = min(block_q, threads)
+    block_p = rows * (threads // threads_q)
+    tile_h = (block_p - 1) * sh + (kh - 1) * dh + 1
+    tile_w = (block_q - 1) * sw + (kw - 1) * dw + 1
+    esize = ELEMENT_BYTES[spec.dtype]
+    vec = 16 // esize
+    srow = (tile_w + 2 * (vec - 1)) // vec * vec
+    return {"block_p": block_p, "block_q": block_q, "tile_h": tile_h, "tile_w": tile_w,
+            "smem_bytes": stages * tile_h * srow * esize}
+
+
+def _tiles_of(spec: "ConvSpec") -> dict[str, int]:
+    return dict(spec.tiles)
+
+
+@dataclass(frozen=True)
+class DepthwiseFamily(Family):
+    """Depthwise NCHW: see the module docstring."""
+
+    name: str = "depthwise"
+    device: str = "cuda"
+    template: str = "cuda/depthwise.cu.j2"
+    layouts: tuple[str, ...] = ("nchw",)
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
+    tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
+
+    def check_shape(self, spec: "ConvSpec") -> None:
+        if spec.groups != spec.in_channels:
+            raise Unsupported(f"depthwise needs groups == in_channels, got groups={spec.groups} with "
+                              f"in_channels={spec.in_channels}")
+        kh, kw = spec.kernel_size
+        if kh * kw > MAX_TAPS:
+            raise Unsupported(f"depthwise holds the kernel in registers: {kh}x{kw} has {kh * kw} taps, "
+                              f"at most {MAX_TAPS} are served")
+        smem = geometry(spec, _tiles_of(spec))["smem_bytes"]
+        if smem > SMEM_LIMIT:
+            raise Unsupported(f"depthwise tiles {_tiles_of(spec)} need {smem} bytes of shared memory for this "
+                              f"kernel/stride/dilation; at most {SMEM_LIMIT} are used (choose smaller tiles)")
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem") -> dict[str, int]:
+        """Tiles for a problem shape.
+
+        block_q: the column tile that loads the fewest window columns in all, counting
+            the unused columns of a ragged last tile and each tile's (kw-1)*dw halo (ties:
+            the wider tile). Q = 510 or 512 gives one 512-wide tile per row band.
+        threads: 256, enough warps for the loads in flight, small enough to fit several
+            blocks per SM.
+        rows: 8 per thread (a rolling window of 8 output rows reads (8*sh + (kh-1)*dh)
+            window rows: ~1.25 reads per input row for 3x3), fewer when the plane is
+            shorter than a band, or when the whole problem would not give every SM
+            a few tiles.
+        stages: 2 (persistent, prefetching) for problems of many tiles, 1 otherwise.
+        Then rows, block_q and threads shrink until the window fits in shared memory.
+        """
+        (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
+        Q, P = max(problem.Q, 1), max(problem.P, 1)
+        halo_w = (kw - 1) * dw
+
+        def loaded_columns(bq: int) -> tuple[int, int]:
+            n = -(-Q // bq)
+            return n * ((bq - 1) * sw + halo_w + 1), -bq
+
+        block_q = min(TILES["block_q"], key=loaded_columns)
+        threads = 256
+        threads_p = threads // min(block_q, threads)
+        rows = 8
+        while rows > 1 and threads_p * (rows // 2) >= P:
+            rows //= 2
+
+        def ntiles(rows_: int, bq: int, th: int) -> int:
+            bp = rows_ * (th // min(bq, th))
+            return problem.N * spec.out_channels * -(-P // bp) * -(-Q // bq)
+
+        while rows > 1 and ntiles(rows, block_q, threads) < 4 * 132:
+            rows //= 2
+        tiles = {"block_q": block_q, "rows": rows, "threads": threads, "stages": 2}
+        if ntiles(rows, block_q, threads) < 8 * 132:
+            tiles["stages"] = 1
+        # Shrink until the window fits (big kernels, strides or dilations); the loop ends at
+        # the first value of every tile parameter, the smallest window there is.
+        while geometry(spec, tiles)["smem_bytes"] > SMEM_LIMIT:
+            if tiles["stages"] > 1:
+                tiles["stages"] = 1
+            elif tiles["rows"] > 1:
+                tiles["rows"] //= 2
+            elif tiles["threads"] > max(tiles["block_q"], TILES["threads"][0]):  # stacked thread rows
+                tiles["threads"] //= 2
+            elif tiles["block_q"] > TILES["block_q"][0]:
+                tiles["block_q"] //= 2
+            else:
+                break  # the smallest window; check_shape names the problem
+        return tiles
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        geo = geometry(spec, _tiles_of(spec))
+        if geo["smem_bytes"] > SMEM_LIMIT:
+            raise ConvArgumentError(f"depthwise tiles {_tiles_of(spec)} need {geo['smem_bytes']} bytes of shared "
+                                    f"memory for {spec.summary()}; at most {SMEM_LIMIT} (choose smaller tiles)")
+        # The template recomputes this size and static_asserts that the two agree.
+        return {"DW_SMEM_BYTES": geo["smem_bytes"]}
+
+
+FAMILIES = (DepthwiseFamily(),)
