@@ -72,9 +72,14 @@ def code_digest() -> str:
 
 
 def lookup_key(spec: ConvSpec, toolchain: Toolchain) -> str:
-    """Everything that determines the rendered source and the build, without rendering."""
+    """What determines the rendered source and the binary's use, computed without rendering.
+
+    It leaves out the compilers' versions (the toolchain's runtime fields only), so a
+    machine without compilers finds shipped entries; `read_entry` then checks the
+    entry's full toolchain wherever the local one is known.
+    """
     return _sha256_json({"spec": spec.to_dict(), "templates": template_digest(), "code": code_digest(),
-                         "toolchain": toolchain.to_dict(), "abi": ABI_VERSION})
+                         "toolchain": toolchain.runtime_dict(), "abi": ABI_VERSION})
 
 
 def module_name(key: str) -> str:
@@ -130,7 +135,8 @@ class Cache:
         self.writable = True
 
     # -- the directory -----------------------------------------------------------------
-    def _ensure_root(self) -> None:
+    def ensure(self) -> None:
+        """Create the root (0700) or check it is ours and private; find out whether it is writable."""
         if self._checked:
             return
         try:
@@ -169,8 +175,15 @@ class Cache:
             raise InvalidEntry(f"unreadable manifest ({exc})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("key") != key:
             raise InvalidEntry("manifest does not belong to this key or format")
-        if toolchain is not None and manifest.get("toolchain") != json.loads(json.dumps(toolchain.to_dict())):
-            raise InvalidEntry("built by another toolchain")
+        if toolchain is not None:
+            theirs = manifest.get("toolchain")
+            if toolchain.compilers_known:
+                ours = json.loads(json.dumps(toolchain.to_dict()))
+            else:  # no compilers here: the runtime fields decide
+                ours = json.loads(json.dumps(toolchain.runtime_dict()))
+                theirs = {k: v for k, v in theirs.items() if k in ours} if isinstance(theirs, dict) else theirs
+            if theirs != ours:
+                raise InvalidEntry("built by another toolchain")
         entry = Entry(key=key, path=path, manifest=manifest)
         so = manifest.get("so") or {}
         if not isinstance(so.get("file"), str) or "/" in so["file"] or so["file"].startswith("."):
@@ -250,7 +263,7 @@ class Cache:
     def get(self, spec: ConvSpec, toolchain: Toolchain,
             on_compile: Callable[[ConvSpec, str, Built], None] | None = None) -> tuple[ModuleType, str, bool]:
         """(module, key, compiled) for `spec`: from disk if a valid entry exists, else built."""
-        self._ensure_root()
+        self.ensure()
         lookup = lookup_key(spec, toolchain)
         key = self.index_get(lookup)
         if key is not None:

@@ -212,7 +212,7 @@ def _drop_stale_index(cache: Cache) -> None:
 
 def clear(cache: Cache) -> int:
     """Remove every entry, index file and failed build; returns the number of entries removed."""
-    cache._ensure_root()
+    cache.ensure()
     removed = 0
     base = cache.root / "entries"
     for path in sorted(base.iterdir()) if base.is_dir() else ():
@@ -235,7 +235,7 @@ def prune(cache: Cache, max_size: int | None = None, older_than: float | None = 
     dry_run, would be) removed."""
     if max_size is None and older_than is None:
         raise ValueError("prune needs --max-size, --older-than or both")
-    cache._ensure_root()
+    cache.ensure()
     now = time.time() if now is None else now
     entries = sorted(list_entries(cache), key=lambda e: e.last_used)  # least recently used first
     doomed = [e for e in entries if older_than is not None and now - e.last_used > older_than]
@@ -388,7 +388,8 @@ def _toolchain_from(d: Any) -> Toolchain:
 
 def _toolchain_problem(tc: dict, local: Toolchain) -> str | None:
     """Why an entry built by `tc` would not be served here, or None."""
-    mine = json.loads(json.dumps(local.to_dict()))
+    # Without local compilers their versions are unknown: the runtime fields decide (as Cache does).
+    mine = json.loads(json.dumps(local.to_dict() if local.compilers_known else local.runtime_dict()))
     diffs = [f"{k} {tc.get(k)!r} in the archive, {mine[k]!r} here" for k in mine if tc.get(k) != mine[k]]
     return "built by another toolchain: " + "; ".join(diffs) if diffs else None
 
@@ -406,7 +407,7 @@ def import_archive(cache: Cache, archive: str | Path, archs: Sequence[str] | Non
     from .render import render
     from .toolchain import current
 
-    cache._ensure_root()
+    cache.ensure()
     if not cache.writable:
         raise ArchiveError(f"the cache directory {cache.root} is not writable")
     if archs is None:
@@ -483,7 +484,7 @@ def _import_one(cache: Cache, tar: tarfile.TarFile, staging: Path, key: str, lis
     problem = _toolchain_problem(tc, local)
     if problem:
         return ImportOutcome(key, "skipped", problem, summary)
-    if cache_key(spec, render(spec), local) != key:
+    if cache_key(spec, render(spec), _toolchain_from(tc)) != key:
         return ImportOutcome(key, "skipped", "this kernelgen renders different source for its spec (another "
                                              "version or templates); it would never be served", summary)
     with cache.lock(key):

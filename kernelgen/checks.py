@@ -96,8 +96,11 @@ def check_shapes(input: torch.Tensor, weight: torch.Tensor, bias, groups) -> Non
                                 f"size {_size(weight)}")
 
 
-def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec) -> Call:
-    """The spatial sizes against the spec's kernel, padding and dilation (after check_shapes)."""
+def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device: str) -> Call:
+    """The spatial sizes against the spec's kernel, padding and dilation (after check_shapes).
+
+    device: where the convolution will run ('cuda' or 'cpu'; the tensors may be on meta).
+    """
     unbatched = input.dim() == 3
     N, C, H, W = (1, *input.shape) if unbatched else tuple(input.shape)
     K = weight.shape[0]
@@ -109,7 +112,10 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec) -> Cal
         raise ConvArgumentError(f"Calculated padded input size per channel: ({ph} x {pw}). Kernel size: "
                                 f"({eh} x {ew}). Kernel size can't be greater than actual input size")
     P, Q = spec.output_size(H, W)
-    channels_last = not unbatched and (is_channels_last(input) or is_channels_last(weight))
+    # F.conv2d's output format: channels_last when the input or the weight is, except
+    # float64 on CUDA, where torch's backends return contiguous outputs.
+    channels_last = (not unbatched and (is_channels_last(input) or is_channels_last(weight))
+                     and not (device == "cuda" and input.dtype == torch.float64))
     return Call(unbatched=unbatched, N=N, C=C, H=H, W=W, K=K, P=P, Q=Q, channels_last=channels_last)
 
 

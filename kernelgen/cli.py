@@ -534,7 +534,7 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
     cache_facts: dict[str, Any] = {"path": str(root), "exists": root.is_dir()}
     try:
         cache = Cache(root)
-        cache._ensure_root()
+        cache.ensure()
         cache_facts["writable"] = cache.writable
         if not cache.writable:
             problems.append(f"the cache directory {root} is not writable: kernels build in a temporary directory "

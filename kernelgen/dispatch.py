@@ -66,18 +66,21 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
             reasons.append(f"{name}: takes layouts {list(fam.layouts)}")
             continue
         fam_math = math if (fam.tf32 and params["dtype"] == "float32") else "ieee"
+        # Tiles first (chosen from the shape), then the family's verdict on the whole spec:
+        # its check may depend on the tiles (e.g. a k-step the dtype's MMA needs).
         base = ConvSpec(**params, device=device, layout=layout, math=fam_math, family=name)
-        try:
-            fam.check(base)
-        except Unsupported as exc:
-            reasons.append(f"{name}: {exc}")
-            continue
-        if family is None and not _worth_it(name, base):
-            continue
         chosen = dict(fam.default_tiles(base, problem))
         if tiles:
             chosen.update(tiles)
-        return base.replace(tiles=tuple(chosen.items()))
+        spec = base.replace(tiles=tuple(chosen.items()))
+        try:
+            fam.check(spec)
+        except Unsupported as exc:
+            reasons.append(f"{name}: {exc}")
+            continue
+        if family is None and not _worth_it(name, spec):
+            continue
+        return spec
     if family is not None:
         raise ConvArgumentError(f"family {family!r} cannot serve this convolution: {'; '.join(reasons)}")
     raise ConvArgumentError(f"no kernel family serves this convolution on {device}: {'; '.join(reasons)}")

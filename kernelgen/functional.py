@@ -109,8 +109,8 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
     checks.check_shapes(input, weight, bias, groups)
     params = checks.spec_params(input, weight, bias, stride, padding, dilation, groups)
     probe = ConvSpec(**params)  # validates the parameters; family/tiles are chosen below
-    call = checks.check_call(input, weight, probe)
     device = device or input.device.type
+    call = checks.check_call(input, weight, probe, device)
     if call.N == 0 or device == "meta":
         return None, call
     math = _precision.fp32_math(precision) if params["dtype"] == "float32" else "ieee"

@@ -45,6 +45,21 @@ class Toolchain:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def compilers_known(self) -> bool:
+        """False on a machine without the compilers (a shipped cache is all it can use)."""
+        return bool(self.host_compiler.partition(" ")[2].strip()) and (self.device == "cpu" or bool(self.nvcc))
+
+    def runtime_dict(self) -> dict:
+        """What a built module depends on at run time: everything but the compilers' versions.
+
+        A machine without compilers cannot know which versions built an entry, so it
+        serves entries that match on these fields alone.
+        """
+        d = self.to_dict()
+        del d["host_compiler"], d["nvcc"]
+        return d
+
     def describe(self) -> str:
         return (f"torch {self.torch} (CUDA {self.torch_cuda or '-'}), nvcc {self.nvcc or '-'}, "
                 f"{self.host_compiler}, {self.arch}")

@@ -200,16 +200,26 @@ def test_directory_owned_by_another_user_is_refused(tmp_path):
 
 def test_new_directory_is_private(tmp_path):
     root = tmp_path / "new"
-    Cache(root)._ensure_root()
+    Cache(root).ensure()
     assert (root.stat().st_mode & 0o777) == 0o700
 
 
 def test_lock_timeout_names_the_lock_file(tmp_path):
     root = tmp_path / "cache"
     holder = Cache(root)
-    holder._ensure_root()
+    holder.ensure()
     with holder.lock("a" * 64):
         waiter = Cache(root, lock_timeout=0.3)
         with pytest.raises(CacheError, match=r"locks/a{64}\.lock"):
             with waiter.lock("a" * 64):
                 pass
+
+
+def test_machine_without_compilers_serves_shipped_entries(tmp_path):
+    root = tmp_path / "cache"
+    _build_one(root)
+    env = dict(os.environ, KERNELGEN_CACHE_DIR=str(root), CXX="/nonexistent/c++")
+    p = subprocess.run([sys.executable, "-c", child_script()], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["compiles"] == 0 and result["cache_hits"] == 1 and result["err"] < 1e-5
