@@ -27,6 +27,7 @@ EXAMPLES = (
 
 def main(argv=None) -> int:
     opts = _harness.parse_args(argv, description=__doc__.strip().splitlines()[0])
+    _harness.require_kernelgen()
     _harness.show_compiles()
     results = []
     for name in EXAMPLES:

@@ -1,0 +1,284 @@
+"""The five KernelBench examples: faithful problems, drop-in ModelNew, no torch convolution.
+
+Tiers:
+- no mark: imports, problem constants, signatures, state_dicts (no kernel is built);
+- compile: runs ModelNew on the CPU, so kernelgen builds its CPU kernels;
+- gpu: runs examples/run_all.py on the CUDA device at the problems' own shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What KernelBench's level-1 file defines, copied from the problem, not from the example."""
+
+    number: int
+    constants: dict
+    init_inputs: list
+    input_shape: tuple
+    weight_shape: tuple
+    output_shape: tuple
+
+
+PROBLEMS = {
+    "conv_pointwise": Problem(
+        87, dict(batch_size=16, in_channels=64, out_channels=128, width=1024, height=1024),
+        [64, 128], (16, 64, 1024, 1024), (128, 64, 1, 1), (16, 128, 1024, 1024)),
+    "conv_asymmetric_kernel": Problem(
+        56, dict(batch_size=8, in_channels=64, out_channels=128, kernel_size=(5, 7), height=512, width=256),
+        [64, 128, (5, 7)], (8, 64, 512, 256), (128, 64, 5, 7), (8, 128, 508, 250)),
+    "conv_square": Problem(
+        63, dict(batch_size=16, in_channels=16, out_channels=128, kernel_size=3, width=1024, height=1024),
+        [16, 128, 3], (16, 16, 1024, 1024), (128, 16, 3, 3), (16, 128, 1022, 1022)),
+    "conv_depthwise": Problem(
+        84, dict(batch_size=64, in_channels=128, out_channels=128, kernel_size=3, width_in=512, height_in=256,
+                 stride=1, padding=0),
+        [128, 128, 3, 1, 0], (64, 128, 256, 512), (128, 1, 3, 3), (64, 128, 254, 510)),
+    "conv_depthwise_kx1": Problem(
+        83, dict(batch_size=64, in_channels=8, kernel_size=3, width=512, height=512, stride=1, padding=0,
+                 dilation=1),
+        [8, 3, 1, 0, 1], (64, 8, 512, 512), (8, 1, 3, 1), (64, 8, 510, 512)),
+}
+NAMES = sorted(PROBLEMS)
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return _load(EXAMPLES / "_harness.py", "kernelgen_examples._harness")
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def example(request):
+    return request.param, _load(EXAMPLES / f"{request.param}.py", f"kernelgen_examples.{request.param}")
+
+
+def _subprocess_env(**extra: str) -> dict:
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+# ---------------------------------------------------------------- no kernel built
+
+def test_every_example_is_listed():
+    run_all = (EXAMPLES / "run_all.py").read_text()
+    on_disk = {p.stem for p in EXAMPLES.glob("conv_*.py")}
+    assert on_disk == set(PROBLEMS)
+    assert all(f'"{name}"' in run_all for name in PROBLEMS)
+
+
+def test_problem_constants(example):
+    name, module = example
+    problem = PROBLEMS[name]
+    assert module.KERNELBENCH_PROBLEM == problem.number
+    for constant, value in problem.constants.items():
+        assert getattr(module, constant) == value, constant
+    assert module.get_init_inputs() == problem.init_inputs
+
+
+def test_get_inputs_is_the_problems_torch_rand(example, monkeypatch):
+    name, module = example
+    calls = []
+    rand = torch.rand
+
+    def recording_rand(*args, **kwargs):
+        calls.append((args, kwargs))
+        return rand(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "rand", recording_rand)
+    with torch.device("meta"):  # the problem's shapes, without allocating gigabytes
+        inputs = module.get_inputs()
+    assert [tuple(x.shape) for x in inputs] == [PROBLEMS[name].input_shape]
+    assert inputs[0].dtype == torch.float32
+    assert calls == [(PROBLEMS[name].input_shape, {})]
+
+
+def test_model_is_the_problem(example):
+    name, module = example
+    problem = PROBLEMS[name]
+    model = module.Model(*module.get_init_inputs())
+    (conv,) = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert tuple(conv.weight.shape) == problem.weight_shape
+    assert conv.bias is None
+    with torch.device("meta"):
+        (x,) = module.get_inputs()
+    assert tuple(model.to("meta")(x).shape) == problem.output_shape
+
+
+def test_signatures_match(example):
+    _, module = example
+    assert inspect.signature(module.ModelNew.__init__) == inspect.signature(module.Model.__init__)
+    assert inspect.signature(module.ModelNew.forward).parameters.keys() == \
+        inspect.signature(module.Model.forward).parameters.keys()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_state_dicts_load_both_ways(example, bias):
+    _, module = example
+    init = module.get_init_inputs()
+    model, new = module.Model(*init, bias=bias), module.ModelNew(*init, bias=bias)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in new.state_dict().items()}
+    new.load_state_dict(model.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), new.state_dict().values()))
+    fresh = module.Model(*init, bias=bias)
+    fresh.load_state_dict(new.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_reduced_shapes_keep_channels(harness, example):
+    name, module = example
+    opts = harness.Options(device="cpu")
+    (shape,) = harness.input_shapes(module, opts)
+    n, c, h, w = PROBLEMS[name].input_shape
+    assert shape[:2] == (min(n, harness.REDUCED_BATCH), c)
+    assert max(shape[2:]) == harness.REDUCED_SIDE
+    assert abs(shape[2] / shape[3] - h / w) < 0.1
+
+
+def test_tolerances(harness):
+    y64 = torch.ones(2, 3, 4, 4, dtype=torch.float64)
+    ref = torch.nn.Identity()
+    x = y64.float()
+    exact = harness.compare(x, x.clone(), ref, x, "ieee")
+    assert exact.ok and exact.rel_err == 0 and exact.limit == harness.STRICT_REL_ERR
+    off = x * (1 + 1e-3)
+    # tf32: 1.5x F.conv2d's own error; Model (first argument) is off by 1e-3 here.
+    assert harness.compare(off, x * (1 + 1.4e-3), ref, x, "tf32").ok
+    assert not harness.compare(off, x * (1 + 1.6e-3), ref, x, "tf32").ok
+    assert not harness.compare(x, off, ref, x, "ieee").ok
+    nan = x.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert not harness.compare(x, nan, ref, x, "tf32").ok
+
+
+# ---------------------------------------------------------------- builds CPU kernels
+
+_BANNED_OP = re.compile(r"conv(?!ert)|^_?(mm|bmm|addmm|addmv|mv|dot|vdot|matmul|baddbmm|addbmm|linear|einsum|"
+                        r"tensordot|_int_mm|_scaled_mm)$")
+
+
+class _AtenRecorder(TorchDispatchMode):
+    """Records every aten op that reaches the dispatcher, from Python or from C++."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _forbid_torch_convolution(monkeypatch):
+    """Make every Python entry point to a torch convolution or matmul raise.
+
+    torch.ops.aten.* is left alone (torch's own lazily imported modules read it); a call
+    through it reaches the dispatcher, where _AtenRecorder sees it.
+    """
+
+    def forbidden(name):
+        def raise_(*args, **kwargs):
+            raise AssertionError(f"ModelNew.forward called {name}")
+        return raise_
+
+    functional = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                  "linear", "bilinear"]
+    for attr in functional:
+        monkeypatch.setattr(torch.nn.functional, attr, forbidden(f"torch.nn.functional.{attr}"))
+    for attr in ["conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose2d", "matmul",
+                 "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "tensordot", "mkldnn_convolution",
+                 "cudnn_convolution"]:
+        if hasattr(torch, attr):
+            monkeypatch.setattr(torch, attr, forbidden(f"torch.{attr}"))
+    for attr in ["matmul", "__matmul__", "__rmatmul__", "mm", "bmm"]:
+        monkeypatch.setattr(torch.Tensor, attr, forbidden(f"torch.Tensor.{attr}"))
+    for attr in dir(torch._C._nn):
+        if _BANNED_OP.search(attr):
+            monkeypatch.setattr(torch._C._nn, attr, forbidden(f"torch._C._nn.{attr}"))
+
+
+@pytest.mark.compile
+def test_forward_calls_no_torch_convolution(example, monkeypatch):
+    name, module = example
+    init = module.get_init_inputs()
+    model = module.Model(*init)
+    new = module.ModelNew(*init)
+    new.load_state_dict(model.state_dict())
+    n, c, _, _ = PROBLEMS[name].input_shape
+    x = torch.rand(2, c, 9, 11)  # odd sizes, above every kernel: edges are exercised
+    with torch.no_grad():
+        expected = model.double()(x.double())
+        _forbid_torch_convolution(monkeypatch)
+        with _AtenRecorder() as recorder:
+            y = new(x)
+    banned = sorted({op for op in recorder.ops if _BANNED_OP.search(op)})
+    assert not banned, f"ModelNew.forward dispatched {banned}"
+    assert y.shape == expected.shape and y.dtype == torch.float32
+    assert torch.linalg.norm(y.double() - expected) / torch.linalg.norm(expected) <= 1e-5
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "bf16"])
+def test_cpu_path_passes(harness, example, precision):
+    _, module = example
+    opts = harness.Options(precision=precision, device="cpu", checks=2, warmup=0, runs=1, reduced_side=24)
+    result = harness.run_case(module, opts)
+    assert result.ok, result.why()
+    line = harness.result_line(result)
+    assert line.endswith("PASS") and f"KernelBench 1/{PROBLEMS[result.case].number}" in line
+    assert "| PASS" in harness.table([result], opts)
+
+
+@pytest.mark.compile
+def test_first_run_compiles_second_is_served_from_cache(tmp_path):
+    command = [sys.executable, str(EXAMPLES / "conv_depthwise_kx1.py"), "--device", "cpu", "--checks", "1",
+               "--warmup", "0", "--runs", "1"]
+    env = _subprocess_env(KERNELGEN_CACHE_DIR=str(tmp_path / "cache"))
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert re.search(r"kernelgen compiled [1-9]\d* kernel\(s\) on the first call", first.stdout), first.stdout
+    assert "kernelgen" in first.stderr  # the compile log: spec and seconds
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "nothing compiled; served from kernelgen's cache" in second.stdout, second.stdout
+
+
+# ---------------------------------------------------------------- the GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["tf32", "ieee", "bf16"])
+def test_run_all_on_the_gpu(precision):
+    done = subprocess.run([sys.executable, str(EXAMPLES / "run_all.py"), "--precision", precision],
+                          env=_subprocess_env(), capture_output=True, text=True, timeout=3600)
+    print(done.stdout)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| case" not in line]
+    assert len(rows) == len(PROBLEMS), done.stdout + done.stderr[-4000:]
+    bad = [row for row in rows if not row.rstrip().endswith("PASS |")]
+    assert not bad, "\n".join(bad) + "\n" + done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-4000:]
