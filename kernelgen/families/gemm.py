@@ -104,7 +104,9 @@ class GemmFamily(Family):
         prefetch = _ceil(kp * xp * xq, nth) * epw + (0 if wres else _ceil(bm * ksw, nth) * epw)
         if self.flat:  # the 16-byte path loads 4 pixels per unit
             prefetch = max(prefetch, _ceil(kp * bn // 4, nth) * 4)
-        acc = mt * nt * 4
+        # 3xTF32 over several stages sums each stage apart (see FLUSH in the template).
+        flush = spec.dtype == "float32" and spec.math == "ieee" and kstages > 1
+        acc = mt * nt * 4 * (2 if flush else 1)
         smem = smem_words * 4
         return {
             "FLAT": self.flat, "EPW": epw, "BM": bm, "CK": ck, "TP": tp, "TQ": tq, "BN": bn,
@@ -112,7 +114,7 @@ class GemmFamily(Family):
             "KP": kp, "KR": kr, "KSW": ksw, "AKS": aks, "XP": xp, "XQ": xq, "CS": cs,
             "CCHUNKS": cchunks, "KSTAGES": kstages, "WRES": wres, "XWORDS": xwords, "WWORDS": wwords,
             "SMEM_BYTES": smem, "MB": _ceil(spec.cout_per_group, bm), "MINB": t["min_blocks"],
-            "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc,
+            "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc, "FLUSH": flush,
         }
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
@@ -170,7 +172,8 @@ class GemmFamily(Family):
           memory-bound 1x1 and small-CIN k x k cases). Otherwise 16 channels, or 8 for
           float32 kernels of 5x5 and up (smaller weight slices per stage).
         - Pixels: a long reduction (CIN_G*KH*KW >= 256: compute-bound) gets 256 pixels
-          per block, i.e. a 64x64 warp tile, which halves shared-memory traffic per MMA;
+          per block (not for 3xTF32, whose per-stage partial sums double the
+          accumulators), i.e. a 64x64 warp tile, which halves shared-memory traffic per MMA;
           a short one gets 128 (64x32 warp tiles, fewer registers, so two blocks fit an SM
           and one stores while the other computes). igemm shapes the patch to the output
           width: 2x64 / 1x128 for wide rows (2x128 / 4x64 when long), narrower otherwise.
@@ -191,7 +194,8 @@ class GemmFamily(Family):
         candidates_k += [k for k in (max(small_k, kmin), 16, 32) if k % kmin == 0 and k < full_k]
         candidates_k = list(dict.fromkeys(candidates_k)) or [kmin]
         warps_m = 2 if bm >= 64 else 1
-        bn_list = (256, 128, 64) if heavy and bm == 128 else (128, 64)
+        strict3 = spec.dtype == "float32" and spec.math == "ieee"  # 3xTF32: more registers
+        bn_list = (256, 128, 64) if heavy and bm == 128 and not strict3 else (128, 64)
         tiles: list[dict[str, int]] = []
         for ck in candidates_k:
             base = {"block_m": bm, "block_k": ck, "warps_m": warps_m, "warps_n": 4}
