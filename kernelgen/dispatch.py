@@ -69,11 +69,11 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
         # Tiles first (chosen from the shape), then the family's verdict on the whole spec:
         # its check may depend on the tiles (e.g. a k-step the dtype's MMA needs).
         base = ConvSpec(**params, device=device, layout=layout, math=fam_math, family=name)
-        chosen = dict(fam.default_tiles(base, problem))
-        if tiles:
-            chosen.update(tiles)
-        spec = base.replace(tiles=tuple(chosen.items()))
         try:
+            chosen = dict(fam.default_tiles(base, problem))  # may itself find that nothing fits
+            if tiles:
+                chosen.update(tiles)
+            spec = base.replace(tiles=tuple(chosen.items()))
             fam.check(spec)
         except Unsupported as exc:
             reasons.append(f"{name}: {exc}")
