@@ -7,6 +7,7 @@ The GPU tier (numerics against F.conv2d) lives with the other device tests.
 from __future__ import annotations
 
 import itertools
+import random
 import os
 import shutil
 import subprocess
@@ -177,6 +178,12 @@ GRID = [_fit(dict(kernel=k, stride=s, dilation=d, mult=m, dtype=t, bias=b, paddi
             KERNELS, (1, 2), (1, 2), (1, 2), DTYPES, (False, True)))]
 
 
+# Every grid spec renders; a fixed sixth of them compiles (a seeded sample in which every
+# kernel, stride, dilation, multiplier, dtype and bias still appears): the whole grid took
+# 15 minutes of nvcc on a 2-core CI machine, beside the other families' grids.
+COMPILE_GRID = [GRID[i] for i in sorted(random.Random(6).sample(range(len(GRID)), len(GRID) // 6))]
+
+
 def _grid_id(kw):
     (kh, kwid) = kw["kernel"]
     return (f"k{kh}x{kwid}-s{kw['stride']}-d{kw['dilation']}-m{kw['mult']}-{kw['dtype']}"
@@ -224,7 +231,7 @@ def compiled_grid():
     if NVCC is None:
         pytest.skip("nvcc is not on PATH")
     sources = {}
-    for kw in GRID:
+    for kw in COMPILE_GRID:
         with _registered_for_fixture():
             sources[_grid_id(kw)] = _render(kw)
     with tempfile.TemporaryDirectory(prefix="kg-depthwise-") as tmp:
@@ -256,7 +263,7 @@ class _registered_for_fixture:
 
 @pytest.mark.compile
 @pytest.mark.nvcc
-@pytest.mark.parametrize("kw", GRID, ids=_grid_id)
+@pytest.mark.parametrize("kw", COMPILE_GRID, ids=_grid_id)
 def test_grid_compiles(kw, compiled_grid):
     rc, log = compiled_grid[_grid_id(kw)]
     assert rc == 0, log[-4000:]
