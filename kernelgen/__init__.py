@@ -13,7 +13,16 @@ from .errors import CacheError, CompileError, ConvArgumentError, KernelgenError,
 from .functional import conv2d
 from .kernels import stats
 from .nn import Conv2d
-from .spec import ConvSpec
+
+
+def __getattr__(name):
+    # The spec module is only needed once a call misses the plan records: keep imports light.
+    if name == "ConvSpec":
+        from .spec import ConvSpec
+
+        return ConvSpec
+    raise AttributeError(f"module 'kernelgen' has no attribute {name!r}")
+
 
 __all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "stats", "KernelgenError", "ConvArgumentError",
            "CompileError", "CacheError", "Unsupported"]

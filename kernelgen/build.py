@@ -14,10 +14,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from .errors import CompileError
-from .render import Rendered
-from .toolchain import Toolchain
+
+if TYPE_CHECKING:
+    from .render import Rendered
+    from .toolchain import Toolchain
 
 
 @dataclass
@@ -31,7 +34,7 @@ def so_name(name: str) -> str:
     return f"{name}.so"
 
 
-def build(rendered: Rendered, toolchain: Toolchain, name: str, directory: Path) -> Built:
+def build(rendered: "Rendered", toolchain: "Toolchain", name: str, directory: Path) -> Built:
     """Build `rendered` as extension module `name` inside `directory` (which must exist)."""
     from torch.utils.cpp_extension import load_inline
 

@@ -34,14 +34,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import config
 from .build import Built, build, so_name
 from .errors import CacheError
 from .render import ABI_VERSION, Rendered, render, template_dir, template_digest
-from .spec import ConvSpec
-from .toolchain import Toolchain
+
+if TYPE_CHECKING:
+    from .spec import ConvSpec
+    from .toolchain import Toolchain
 
 log = logging.getLogger("kernelgen")
 
@@ -199,7 +201,8 @@ class Cache:
                 raise InvalidEntry(f"{so['file']} does not match the manifest's sha256 (foreign or corrupted)")
         return entry
 
-    def load(self, key: str, toolchain: Toolchain) -> ModuleType:
+    def load(self, key: str, toolchain: Toolchain | None) -> ModuleType:
+        """Import the verified entry `key` (toolchain None: the caller vouches for it, see plans.py)."""
         entry = self.read_entry(key, toolchain)
         try:
             module = _import_so(entry.manifest["name"], entry.so_path)

@@ -8,30 +8,46 @@ and launch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
-
 import logging
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from . import checks, dispatch, precision as _precision
-from .errors import CompileError
-from .kernels import count, load_kernel
-from .spec import ConvSpec, Problem
-from .toolchain import arch_for_capability, current
+from . import plans
+from .kernels import count, load_entry, load_kernel
+from .precision import check_override, torch_fp32_conv_math
+
+if TYPE_CHECKING:
+    from .checks import Call
+    from .spec import ConvSpec
 
 log = logging.getLogger("kernelgen")
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CL = torch.channels_last
+_CF = torch.contiguous_format
+_PREP = {"any": 0, "nchw": 1, "nhwc": 2}
 
 
-@dataclass(frozen=True)
 class Plan:
-    spec: ConvSpec | None  # None: nothing to launch (empty output)
-    launch: Callable[..., None] | None
-    call: checks.Call
-    prep: str  # how the input is handed over: 'asis', 'nchw' (contiguous) or 'nhwc' (channels_last)
+    """Everything a call with a known signature needs: the kernel and its integer arguments.
+
+    Precomputed once per signature, so a call only allocates the output, reads four
+    pointers and the stream, and launches.
+    """
+
+    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_contig", "b_contig", "args", "key")
+
+    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_contig, b_contig, args, key):
+        self.launch = launch  # None: nothing to compute (an empty batch, or meta tensors)
+        self.out_shape = out_shape  # 4-D
+        self.fmt = fmt
+        self.squeeze = squeeze  # unbatched input: drop the batch dimension again
+        self.prep = prep  # 0: input as it is; 1: made NCHW-contiguous; 2: made channels_last
+        self.w_contig = w_contig
+        self.b_contig = b_contig
+        self.args = args  # N, H, W, P, Q, input strides, output strides, device index
+        self.key = key
 
 
 _plans: dict[Any, Plan] = {}
@@ -49,6 +65,8 @@ def _hashable(v: Any) -> Any:
 def _cuda_arch(index: int) -> str:
     arch = _arch_by_device.get(index)
     if arch is None:
+        from .toolchain import arch_for_capability
+
         arch = _arch_by_device[index] = arch_for_capability(*torch.cuda.get_device_capability(index))
     return arch
 
@@ -76,17 +94,23 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Autograd: the forward is differentiable-aware but kernelgen has no backward
     kernels yet; calling backward through it raises NotImplementedError.
     """
-    fp32 = input.dtype == torch.float32 if isinstance(input, torch.Tensor) else False
-    math = _precision.fp32_math(precision) if fp32 else "ieee"
     try:
-        sig = (input.shape, input.stride(), input.dtype, input.device, weight.shape, weight.stride(), weight.dtype,
+        dtype = input.dtype
+        if dtype is torch.float32:
+            math = precision if precision is not None else torch_fp32_conv_math()
+        else:
+            math = None
+        sig = (input.shape, input.stride(), dtype, input.device, weight.shape, weight.stride(), weight.dtype,
                weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
-               _hashable(stride), _hashable(padding), _hashable(dilation), groups, math, family, _hashable(tiles))
+               stride if stride.__class__ is int else _hashable(stride),
+               padding if padding.__class__ is int else _hashable(padding),
+               dilation if dilation.__class__ is int else _hashable(dilation),
+               groups, math, family, None if tiles is None else _hashable(tiles))
         plan = _plans.get(sig)
-    except (AttributeError, TypeError):  # not tensors, or unhashable parameters: the slow path explains
+    except (AttributeError, TypeError):  # not tensors, or unhashable parameters: the full path explains
         sig, plan = None, None
     if plan is None:
-        plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+        plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
         if sig is not None:
             _plans[sig] = plan
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
@@ -97,14 +121,18 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, device: str | None = None,
              precision: str | None = None, family: str | None = None,
-             tiles: Mapping[str, int] | None = None) -> tuple[ConvSpec | None, checks.Call]:
+             tiles: Mapping[str, int] | None = None) -> tuple["ConvSpec | None", "Call"]:
     """(spec, call): the kernel `conv2d` would compile for these arguments, and the call's sizes.
 
     The tensors may live on 'meta' (shapes and strides are all that is read); `device`
     ('cuda' or 'cpu') says which device to plan for, default the tensors'. The spec is
     None when there is nothing to compute (an empty batch).
     """
-    _precision.check_override(precision)
+    from . import checks, dispatch
+    from .precision import fp32_math
+    from .spec import ConvSpec, Problem
+
+    check_override(precision)
     checks.check_tensors(input, weight, bias)
     checks.check_shapes(input, weight, bias, groups)
     params = checks.spec_params(input, weight, bias, stride, padding, dilation, groups)
@@ -113,20 +141,48 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
     call = checks.check_call(input, weight, probe, device)
     if call.N == 0 or device == "meta":
         return None, call
-    math = _precision.fp32_math(precision) if params["dtype"] == "float32" else "ieee"
+    math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
     problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q)
     return dispatch.choose(params, device, problem, call.channels_last, math, family=family, tiles=tiles), call
 
 
-def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles) -> Plan:
+def _signature_json(sig: tuple, arch: str) -> list:
+    """The in-process signature as JSON-able values (device index replaced by its arch)."""
+    def js(v):
+        if isinstance(v, (tuple, list, torch.Size)):
+            return [js(e) for e in v]
+        if isinstance(v, (torch.dtype, torch.device)):
+            return str(v) if isinstance(v, torch.dtype) else v.type
+        return v
+    return [js(v) for v in sig]
+
+
+def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig) -> Plan:
+    device = input.device.type if isinstance(input, torch.Tensor) else None
+    record_name = None
+    if sig is not None and device in ("cuda", "cpu") and input.numel() > 0:
+        arch = _cuda_arch(input.device.index) if device == "cuda" else "cpu"
+        record_name = plans.record_name(_signature_json(sig, arch), arch)
+        cache = _default_cache()
+        record = plans.read(cache.root, record_name)
+        if record is not None:
+            try:
+                launch = load_entry(record["key"], cache)
+                if launch is not None:
+                    return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias)
+            except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
+                pass
     spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                           family=family, tiles=tiles)
+    call_fields = [call.unbatched, call.N, call.K, call.P, call.Q, call.H, call.W, call.channels_last]
     if spec is None:
-        return Plan(spec=None, launch=None, call=call, prep="asis")
-    device = spec.device
+        return _plan(None, None, call_fields, "any", input, weight, bias)
+    from .errors import CompileError
+    from .toolchain import current
+
     toolchain = current("cpu") if device == "cpu" else current("cuda", _cuda_arch(input.device.index))
     try:
-        launch = load_kernel(spec, toolchain)
+        launch, key = load_kernel(spec, toolchain)
     except CompileError:
         if family is not None or spec.family == "direct" or device != "cuda":
             raise
@@ -137,32 +193,58 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
         count("fallbacks")
         spec, _ = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                            family="direct")
-        launch = load_kernel(spec, toolchain)
-    prep = "asis" if spec.layout == "any" else spec.layout
-    return Plan(spec=spec, launch=launch, call=call, prep=prep)
+        launch, key = load_kernel(spec, toolchain)
+    cache = _default_cache()
+    if record_name is not None and cache.writable:
+        plans.write(cache.root, record_name,
+                    {"key": key, "call": call_fields, "prep": spec.layout, "summary": spec.summary()})
+    return _plan(launch, key, call_fields, spec.layout, input, weight, bias)
+
+
+def _default_cache():
+    from .kernels import default_cache
+
+    return default_cache()
+
+
+def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
+    """Precompute a plan's launch arguments from the call's sizes and the tensors' strides."""
+    unbatched, N, K, P, Q, H, W, channels_last = call_fields
+    fmt = _CL if channels_last else _CF
+    prep = _PREP[layout]
+    if launch is None:
+        return Plan(None, (N, K, P, Q), fmt, unbatched, prep, True, True, (), key)
+    meta_x = torch.empty_strided(input.shape, input.stride(), dtype=input.dtype, device="meta")
+    if unbatched:
+        meta_x = meta_x.unsqueeze(0)
+    if prep == 1:
+        meta_x = meta_x.contiguous()
+    elif prep == 2:
+        meta_x = meta_x.contiguous(memory_format=_CL)
+    xs = meta_x.stride()
+    ys = torch.empty((N, K, P, Q), dtype=input.dtype, device="meta", memory_format=fmt).stride()
+    dev = input.device.index if input.is_cuda else -1
+    return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, weight.is_contiguous(),
+                bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, dev), key)
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    c = plan.call
-    fmt = torch.channels_last if c.channels_last else torch.contiguous_format
-    y = torch.empty((c.N, c.K, c.P, c.Q), dtype=input.dtype, device=input.device, memory_format=fmt)
+    y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt)
     if plan.launch is not None:
-        x = input.unsqueeze(0) if c.unbatched else input
-        if plan.prep == "nchw":
-            x = x.contiguous()
-        elif plan.prep == "nhwc":
-            x = x.contiguous(memory_format=torch.channels_last)
-        w = weight.contiguous()
-        b = bias.contiguous().data_ptr() if bias is not None else 0
-        xs, ys = x.stride(), y.stride()
-        if x.is_cuda:
-            dev = x.device.index
+        prep = plan.prep
+        x = input if prep == 0 else input.contiguous() if prep == 1 else input.contiguous(memory_format=_CL)
+        w = weight if plan.w_contig else weight.contiguous()
+        if bias is None:
+            b = 0
+        else:
+            b = (bias if plan.b_contig else bias.contiguous()).data_ptr()
+        if input.is_cuda:
+            dev = plan.args[-1]
             stream = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
         else:
-            dev, stream = -1, 0
-        plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), c.N, c.H, c.W, c.P, c.Q,
-                    xs[0], xs[1], xs[2], xs[3], ys[0], ys[1], ys[2], ys[3], dev, stream)
-    return y.squeeze(0) if c.unbatched else y
+            stream = 0
+        plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream)
+    return y.squeeze(0) if plan.squeeze else y
 
 
 class _NoBackward(torch.autograd.Function):

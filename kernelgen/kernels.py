@@ -6,26 +6,34 @@ the counters `stats()` reports.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import config
-from .build import Built
-from .cache import Cache
-from .spec import ConvSpec
-from .toolchain import Toolchain
+
+if TYPE_CHECKING:
+    from .build import Built
+    from .cache import Cache
+    from .spec import ConvSpec
+    from .toolchain import Toolchain
 
 Launch = Callable[..., None]
 
+log = logging.getLogger("kernelgen")
+
 _lock = threading.RLock()
-_memo: dict[tuple[ConvSpec, Toolchain], Launch] = {}
-_caches: dict[str, Cache] = {}
+_memo: dict[tuple["ConvSpec", "Toolchain"], tuple[Launch, str]] = {}
+_by_key: dict[str, Launch] = {}
+_caches: dict[str, "Cache"] = {}
 _stats: Counter = Counter()
 
 
-def default_cache() -> Cache:
+def default_cache() -> "Cache":
     """The cache at KERNELGEN_CACHE_DIR (read now, so a changed variable takes effect)."""
+    from .cache import Cache
+
     root = str(config.cache_dir())
     with _lock:
         if root not in _caches:
@@ -33,25 +41,51 @@ def default_cache() -> Cache:
         return _caches[root]
 
 
-def _count_compile(spec: ConvSpec, key: str, built: Built) -> None:
+def _count_compile(spec: "ConvSpec", key: str, built: "Built") -> None:
     _stats["compiles"] += 1
     _stats["compile_seconds"] += built.seconds
 
 
-def load_kernel(spec: ConvSpec, toolchain: Toolchain, cache: Cache | None = None) -> Launch:
-    """The `launch` function of the kernel for `spec`, compiling it at most once."""
+def load_kernel(spec: "ConvSpec", toolchain: "Toolchain", cache: "Cache | None" = None) -> tuple[Launch, str]:
+    """(launch, key) of the kernel for `spec`, compiling it at most once."""
     memo_key = (spec, toolchain)
-    fn = _memo.get(memo_key)
-    if fn is not None:
-        return fn
+    hit = _memo.get(memo_key)
+    if hit is not None:
+        return hit
     with _lock:
-        fn = _memo.get(memo_key)
-        if fn is None:
-            module, _key, compiled = (cache or default_cache()).get(spec, toolchain, on_compile=_count_compile)
+        hit = _memo.get(memo_key)
+        if hit is None:
+            module, key, compiled = (cache or default_cache()).get(spec, toolchain, on_compile=_count_compile)
             if not compiled:
                 _stats["cache_hits"] += 1
-            fn = module.launch
-            _memo[memo_key] = fn
+            hit = _memo[memo_key] = (module.launch, key)
+            _by_key.setdefault(key, module.launch)
+    return hit
+
+
+def load_entry(key: str, cache: "Cache | None" = None) -> Launch | None:
+    """The launch function of the verified entry `key`, or None if it is missing or unusable.
+
+    For callers that already know the key from a plan record (plans.py), whose name
+    covers the toolchain, so the entry's toolchain is not compared again here.
+    """
+    fn = _by_key.get(key)
+    if fn is not None:
+        return fn
+    from .cache import InvalidEntry
+
+    cache = cache or default_cache()
+    with _lock:
+        fn = _by_key.get(key)
+        if fn is None:
+            try:
+                cache.ensure()
+                fn = cache.load(key, toolchain=None).launch
+            except (FileNotFoundError, InvalidEntry) as exc:
+                log.debug("kernelgen: plan record names entry %s, which is not usable (%s)", key[:16], exc)
+                return None
+            _stats["cache_hits"] += 1
+            _by_key[key] = fn
     return fn
 
 
@@ -70,4 +104,5 @@ def clear_memo() -> None:
     """Forget loaded kernels (the disk cache is untouched); for tests and cache tools."""
     with _lock:
         _memo.clear()
+        _by_key.clear()
         _caches.clear()

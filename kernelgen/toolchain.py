@@ -114,6 +114,8 @@ def _write_memo(path: Path, memo: dict) -> None:
     # Best effort: a read-only cache only costs a re-run of `--version` next time.
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not os.access(path.parent, os.W_OK):
+            return
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(memo, sort_keys=True))
         os.replace(tmp, path)

@@ -223,3 +223,32 @@ def test_machine_without_compilers_serves_shipped_entries(tmp_path):
     assert p.returncode == 0, p.stderr
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result["compiles"] == 0 and result["cache_hits"] == 1 and result["err"] < 1e-5
+
+
+WARM_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {repo!r})
+    import torch, kernelgen
+    x = torch.randn(2, 3, 11, 11); w = torch.randn(5, 3, 3, 3)
+    y = kernelgen.conv2d(x, w, padding=1)
+    print(json.dumps(dict(kernelgen.stats(), spec_loaded="kernelgen.spec" in sys.modules,
+                          jinja_loaded="jinja2" in sys.modules)))
+""")
+
+
+def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
+    root = tmp_path / "cache"
+    env = dict(os.environ, KERNELGEN_CACHE_DIR=str(root))
+    run = lambda: json.loads(subprocess.run([sys.executable, "-c", WARM_CHILD.format(repo=str(REPO))], env=env,
+                                            capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    first = run()
+    assert first["compiles"] == 1 and first["spec_loaded"]
+    second = run()
+    assert second["compiles"] == 0 and second["cache_hits"] == 1
+    assert not second["spec_loaded"] and not second["jinja_loaded"]
+    # a damaged record is ignored (and rewritten) rather than trusted
+    for record in (root / "plans").glob("*.json"):
+        record.write_text('{"format": 1, "key": "0000", "call": [], "prep": "nope"}')
+    third = run()
+    assert third["compiles"] == 0 and third["spec_loaded"]
+    assert run()["spec_loaded"] is False

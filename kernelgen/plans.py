@@ -1,0 +1,90 @@
+"""Records of which cached kernel serves a call signature, so a warm process skips the work.
+
+The first call with a signature (shapes, strides, dtypes, device, parameters,
+precision) is validated (checks.py), dispatched (dispatch.py) and its kernel loaded or
+built (cache.py). The outcome, the entry's key and the call's sizes, is recorded under
+`<cache>/plans/`. A later process making the same call reads the record and imports
+the entry directly: the signature was valid when recorded, so there is nothing to
+re-validate, and no spec, dispatch or rendering is needed.
+
+A record's name hashes the signature together with everything that could change the
+answer: kernelgen's own sources and templates (by size and mtime), the Python, torch
+and CUDA versions, the GPU architecture, and the identity of the compilers on PATH. Any
+change there is a different name, hence a miss and the full path. The entry a record
+names is still verified (manifest and .so checksum) before it is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+from . import config
+from ._version import __version__
+
+FORMAT = 1
+
+
+def _walk(root: Path, suffix: str) -> list[list]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(suffix):
+                st = os.stat(os.path.join(dirpath, name))
+                found.append([os.path.relpath(os.path.join(dirpath, name), root), st.st_size, st.st_mtime_ns])
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def identity() -> str:
+    """sha256 of what a record depends on besides the call: code, templates, versions, compilers."""
+    import torch
+
+    from .render import template_dir
+
+    package = Path(__file__).resolve().parent
+    tools = []
+    for name in (config.host_compiler(), "nvcc"):
+        path = shutil.which(name)
+        if path:
+            st = os.stat(path)
+            tools.append([os.path.realpath(path), st.st_size, st.st_mtime_ns])
+        else:
+            tools.append(None)
+    home = config.cuda_home()
+    ident = [FORMAT, __version__, sys.implementation.cache_tag, torch.__version__, torch.version.cuda,
+             _walk(package, ".py"), _walk(template_dir(), ".j2"), tools, str(home) if home else None]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()
+
+
+def record_name(signature: list, arch: str) -> str:
+    """The record's name for a call signature (JSON-able) on a target `arch`."""
+    text = json.dumps([identity(), arch, signature], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def read(root: Path, name: str) -> dict | None:
+    try:
+        record = json.loads((root / "plans" / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("format") == FORMAT else None
+
+
+def write(root: Path, name: str, record: dict) -> None:
+    """Atomically; best effort (a read-only cache only costs the full path next time)."""
+    directory = root / "plans"
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        tmp = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
+        tmp.write_text(json.dumps(dict(record, format=FORMAT), sort_keys=True))
+        os.replace(tmp, directory / f"{name}.json")
+    except OSError:
+        pass
