@@ -208,17 +208,27 @@ def _drop_stale_index(cache: Cache) -> None:
         if key is None or not cache.entry_dir(key).is_dir():
             with contextlib.suppress(OSError):
                 path.unlink()
+    for path in (cache.root / "plans").glob("*.json"):  # plan records (plans.py) name entries too
+        try:
+            key = json.loads(path.read_text()).get("key")
+        except (OSError, ValueError, AttributeError):
+            key = None
+        if not isinstance(key, str) or not re.fullmatch(_KEY, key) or not cache.entry_dir(key).is_dir():
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def clear(cache: Cache) -> int:
-    """Remove every entry, index file and failed build; returns the number of entries removed."""
+    """Remove every entry, index file, plan record and failed build; returns the number of entries removed."""
     cache.ensure()
     removed = 0
     base = cache.root / "entries"
     for path in sorted(base.iterdir()) if base.is_dir() else ():
         if re.fullmatch(_KEY, path.name) and path.is_dir() and not path.is_symlink():
             removed += _remove_entry(cache, path.name)
-    for sub in ("index", "failed"):
+    for sub in ("index", "plans", "failed"):
+        if not (cache.root / sub).is_dir():
+            continue
         for path in (cache.root / sub).iterdir():
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
