@@ -8,8 +8,9 @@ and launch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -52,6 +53,22 @@ class Plan:
 
 _plans: dict[Any, Plan] = {}
 _arch_by_device: dict[int, str] = {}
+_meta_observers: list[Callable[..., None]] = []
+
+
+@contextlib.contextmanager
+def observe_meta_calls(callback: Callable[..., None]) -> Iterator[None]:
+    """While active, call `callback(input, weight, bias, stride, padding, dilation, groups,
+    precision, family, tiles)` for every kernelgen.conv2d call on meta tensors.
+
+    This is how `kernelgen warm --model` finds the convolutions of a model run on meta
+    tensors, direct calls of kernelgen.conv2d included.
+    """
+    _meta_observers.append(callback)
+    try:
+        yield
+    finally:
+        _meta_observers.remove(callback)
 
 
 def _hashable(v: Any) -> Any:
@@ -94,6 +111,9 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Autograd: the forward is differentiable-aware but kernelgen has no backward
     kernels yet; calling backward through it raises NotImplementedError.
     """
+    if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
+        for observe in list(_meta_observers):
+            observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     try:
         dtype = input.dtype
         if dtype is torch.float32:

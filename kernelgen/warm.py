@@ -309,38 +309,31 @@ def find_model_calls(model, input_shapes: Sequence[Sequence[int]], device: str, 
     """The specs of every convolution in `model`'s forward on inputs of `input_shapes`.
 
     The model and inputs live on the meta device: no memory, no data, no GPU. Found are
-    kernelgen.Conv2d modules (through a forward pre-hook, with their own precision) and
-    every torch.conv2d / F.conv2d call, torch.nn.Conv2d's included (through a
-    TorchFunctionMode), planned as kernelgen.conv2d would plan them on `device`.
-    Direct calls of the kernelgen.conv2d function outside a kernelgen.Conv2d are not
-    visible on meta tensors and are not found.
+    every kernelgen.conv2d call (kernelgen.Conv2d modules and direct calls alike, through
+    functional.observe_meta_calls, each with its own precision) and every torch.conv2d /
+    F.conv2d call, torch.nn.Conv2d's included (through a TorchFunctionMode), planned as
+    kernelgen.conv2d would plan them on `device`.
     """
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from .functional import spec_for
-    from .nn import Conv2d as KGConv2d
+    from .functional import observe_meta_calls, spec_for
 
     tdtype = getattr(torch, canonical_dtype(dtype))
     model = model.to(device="meta", dtype=tdtype)
     found: list[Found] = []
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
+    current: list[str] = []  # the module whose forward is running, for the report
 
     def record(x, w, b, stride, padding, dilation, groups, prec, where):
         spec, _ = spec_for(x, w, b, stride, padding, dilation, groups, device=device, precision=prec)
         if spec is not None:
             found.append(Found(spec=spec, where=f"{origin}: {where}"))
 
-    def pre_hook(module, args):
-        x = args[0]
-        if module.padding_mode != "zeros":
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
-            padding = 0
-        else:
-            padding = module.padding
-        record(x, module.weight, module.bias, module.stride, padding, module.dilation, module.groups,
-               module.precision if module.precision is not None else precision, names.get(module, "?"))
+    def on_kernelgen_call(x, w, b, stride, padding, dilation, groups, prec, family, tiles):
+        record(x, w, b, stride, padding, dilation, groups, prec if prec is not None else precision,
+               current[-1] if current else "kernelgen.conv2d")
 
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -355,10 +348,18 @@ def find_model_calls(model, input_shapes: Sequence[Sequence[int]], device: str, 
                        "torch.conv2d")
             return func(*args, **kwargs)
 
-    hooks = [m.register_forward_pre_hook(pre_hook) for m in model.modules() if isinstance(m, KGConv2d)]
+    def enter(module, args) -> None:  # hooks must return None, or they replace inputs/outputs
+        current.append(names.get(module, "?"))
+
+    def leave(module, args, out) -> None:
+        current.pop()
+
+    hooks = []
+    for m in model.modules():
+        hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
     try:
         inputs = [torch.empty(tuple(s), device="meta", dtype=tdtype) for s in input_shapes]
-        with torch.no_grad(), Mode():
+        with torch.no_grad(), Mode(), observe_meta_calls(on_kernelgen_call):
             model(*inputs)
     finally:
         for h in hooks:

@@ -484,3 +484,21 @@ def test_import_verifies_checksums_and_toolchain(capsys, cache_dir, tmp_path, wa
     assert code == 0 and doc["skipped"] == 2 and doc["imported"] == 0
     assert all("torch '1.0.0' in the archive" in e["reason"] for e in doc["entries"])
     assert not any((tmp_path / "c2" / "entries").iterdir())
+
+
+def test_model_direct_kernelgen_calls_are_found():
+    import torch
+
+    import kernelgen
+    from kernelgen.warm import find_model_calls
+
+    class Functional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(6, 3, 3, 3))
+
+        def forward(self, x):
+            return kernelgen.conv2d(x, self.w, padding=1, precision="ieee")
+
+    found = find_model_calls(Functional(), [(2, 3, 16, 16)], device="cpu")
+    assert len(found) == 1 and found[0].spec.kernel_size == (3, 3)
