@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,21 +102,29 @@ def test_problem_constants(example):
     assert module.get_init_inputs() == problem.init_inputs
 
 
-def test_get_inputs_is_the_problems_torch_rand(example, monkeypatch):
+class _FactoryRecorder(TorchFunctionMode):
+    """Records the torch functions called (name, args, kwargs), then runs them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((getattr(func, "__name__", str(func)), args, kwargs))
+        return func(*args, **kwargs)
+
+
+def test_get_inputs_is_the_problems_torch_rand(example):
+    # Recorded by a mode, not by monkeypatching torch.rand: torch.device("meta") caches
+    # the identity of torch.rand on first use, and a patched one would make every later
+    # "meta" tensor a real allocation of gigabytes.
     name, module = example
-    calls = []
-    rand = torch.rand
-
-    def recording_rand(*args, **kwargs):
-        calls.append((args, kwargs))
-        return rand(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "rand", recording_rand)
-    with torch.device("meta"):  # the problem's shapes, without allocating gigabytes
+    with torch.device("meta"), _FactoryRecorder() as recorder:  # the shapes, without allocating
         inputs = module.get_inputs()
     assert [tuple(x.shape) for x in inputs] == [PROBLEMS[name].input_shape]
-    assert inputs[0].dtype == torch.float32
-    assert calls == [(PROBLEMS[name].input_shape, {})]
+    assert inputs[0].dtype == torch.float32 and inputs[0].is_meta
+    assert recorder.calls == [("rand", PROBLEMS[name].input_shape, {})]
 
 
 def test_model_is_the_problem(example):
