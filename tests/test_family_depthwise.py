@@ -128,9 +128,10 @@ def test_default_tiles_are_valid_and_fit(kw, shape):
 
 def test_default_tiles_for_the_kernelbench_cases():
     # The tiling that measured fastest on H100 for both cases, float32 and bfloat16:
-    # one 512-wide tile per row band (no ragged waste for Q = 510 or 512), 8 rows a thread.
-    best = {"block_q": 512, "rows": 8, "threads": 256, "stages": 1}
-    for dtype in ("float32", "bfloat16"):
+    # one 512-wide tile per row band (no ragged waste for Q = 510 or 512), 8 rows a thread;
+    # 16-bit lanes own 4 adjacent columns, so 128 threads cover the row (float32: 256, one each).
+    for dtype, threads in (("float32", 256), ("bfloat16", 128), ("float16", 128)):
+        best = {"block_q": 512, "rows": 8, "threads": threads, "stages": 1}
         s84 = with_default_tiles(spec(channels=128, dtype=dtype), 64, 256, 512)
         assert dict(s84.tiles) == best
         s83 = with_default_tiles(spec(channels=8, kernel=(3, 1), dtype=dtype), 64, 512, 512)

@@ -34,6 +34,14 @@ MAX_TAPS = 81
 # kernel that fits here fits every GPU kernelgen targets; H100 then keeps >= 2 blocks per SM.
 SMEM_LIMIT = 96 * 1024
 
+# Output columns a lane owns side by side (at most; the template uses fewer when a thread has
+# fewer columns): 16-bit types read shared memory and store in 4/8-byte words of them, so a
+# thread issues about as few instructions per byte as float32 does with one column. One
+# column per lane left bf16 instruction-bound (84: 1.99 ms); measured on H100, 84 bf16 with
+# block_q 512, rows 8: 2 columns 1.80 ms (256 threads) / 1.56 ms (128 threads), 4 columns
+# 1.52 ms (128 threads); 83 bf16 0.22 ms either way (harness timing, ctypes launch included).
+COLUMN_VECTOR = {"float32": 1, "float16": 4, "bfloat16": 4, "float64": 1}
+
 TILES: Mapping[str, tuple[int, ...]] = {
     # First values are the smallest window, so a spec that fits with them fits at all.
     "block_q": (32, 64, 128, 256, 512),
@@ -92,7 +100,9 @@ class DepthwiseFamily(Family):
         block_q: the column tile that loads the fewest window columns in all, counting
             the unused columns of a ragged last tile and each tile's (kw-1)*dw halo (ties:
             the wider tile). Q = 510 or 512 gives one 512-wide tile per row band.
-        threads: 256, enough warps for the loads in flight, small enough to fit several
+        threads: block_q / COLUMN_VECTOR clipped to [64, 256]: each lane owns COLUMN_VECTOR
+            adjacent columns (4 for 16-bit types, so 128 threads for a 512-wide tile; 256 for
+            float32), enough warps for the loads in flight, small enough to fit several
             blocks per SM.
         rows: 8 per thread (a rolling window of 8 output rows reads (8*sh + (kh-1)*dh)
             window rows: ~1.25 reads per input row for 3x3), fewer when the plane is
@@ -104,9 +114,10 @@ class DepthwiseFamily(Family):
             loads with another's math, and the persistent loop adds a barrier per tile.
         Then rows, block_q and threads shrink until the window fits in shared memory.
 
-        Measured (H100, tiles block_q=512, rows=8, threads=256, stages=1):
-        84 float32 2.92 ms (2.92 TB/s, F.conv2d 10.2 ms), 83 float32 0.40 ms (F.conv2d 1.48);
-        84 bfloat16 1.99 ms, 83 bfloat16 0.23 ms (F.conv2d 10.1 / 1.47 ms).
+        Measured (H100, block_q=512, rows=8, stages=1): float32 (threads 256) 84 2.93 ms
+        (2.91 TB/s, F.conv2d 10.1 ms), 83 0.40 ms (F.conv2d 1.48); bfloat16 (threads 128,
+        4 columns a lane) 84 1.52 ms (2.80 TB/s, F.conv2d 10.1 ms), 83 0.22 ms in the ctypes
+        harness (0.20 ms through benchmarks/bench_cases.py with 2 columns at 256 threads).
         """
         (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
         Q, P = max(problem.Q, 1), max(problem.P, 1)
@@ -117,7 +128,7 @@ class DepthwiseFamily(Family):
             return n * ((bq - 1) * sw + halo_w + 1), -bq
 
         block_q = min(TILES["block_q"], key=loaded_columns)
-        threads = 256
+        threads = max(TILES["threads"][0], min(256, block_q // COLUMN_VECTOR[spec.dtype]))
         threads_p = threads // min(block_q, threads)
         rows = 8
         while rows > 1 and threads_p * (rows // 2) >= P:
@@ -149,7 +160,7 @@ class DepthwiseFamily(Family):
             raise ConvArgumentError(f"depthwise tiles {_tiles_of(spec)} need {geo['smem_bytes']} bytes of shared "
                                     f"memory for {spec.summary()}; at most {SMEM_LIMIT} (choose smaller tiles)")
         # The template recomputes this size and static_asserts that the two agree.
-        return {"DW_SMEM_BYTES": geo["smem_bytes"]}
+        return {"DW_SMEM_BYTES": geo["smem_bytes"], "DW_CV": COLUMN_VECTOR[spec.dtype]}
 
 
 FAMILIES = (DepthwiseFamily(),)
