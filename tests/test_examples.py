@@ -8,6 +8,7 @@ Tiers:
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import os
@@ -76,6 +77,16 @@ def harness():
 @pytest.fixture(scope="module", params=NAMES)
 def example(request):
     return request.param, _load(EXAMPLES / f"{request.param}.py", f"kernelgen_examples.{request.param}")
+
+
+def _table_results(text: str) -> dict:
+    """case -> result column ('PASS', 'FAIL', 'ERROR') of the table run_all.py prints."""
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] != "case":
+            out[cells[0]] = cells[-1]
+    return out
 
 
 def _subprocess_env(**extra: str) -> dict:
@@ -185,6 +196,22 @@ def test_tolerances(harness):
     assert not harness.compare(x, nan, ref, x, "tf32").ok
 
 
+def test_compare_in_batch_slices_equals_whole(harness, monkeypatch):
+    # The GPU cases are checked in batch slices (case 63's output is 17 GB in float64).
+    conv = torch.nn.Conv2d(3, 4, 3, bias=False)
+    x = torch.rand(5, 3, 8, 8)
+    reference = copy.deepcopy(conv).double()
+    with torch.no_grad():
+        y = conv(x)
+        y_new = y + 1e-6 * torch.randn_like(y)
+        whole = harness.compare(y, y_new, reference, x, "ieee")
+        monkeypatch.setattr(harness, "REFERENCE_CHUNK_ELEMENTS", 2 * y[0].numel())  # slices of 2, 2, 1
+        sliced = harness.compare(y, y_new, reference, x, "ieee")
+    assert sliced.max_abs == whole.max_abs and sliced.allclose == whole.allclose
+    assert sliced.rel_err == pytest.approx(whole.rel_err, rel=1e-12)
+    assert sliced.ref_rel_err == pytest.approx(whole.ref_rel_err, rel=1e-12)
+
+
 # ---------------------------------------------------------------- builds CPU kernels
 
 _BANNED_OP = re.compile(r"conv(?!ert)|^_?(mm|bmm|addmm|addmv|mv|dot|vdot|matmul|baddbmm|addbmm|linear|einsum|"
@@ -260,7 +287,7 @@ def test_cpu_path_passes(harness, example, precision):
     assert result.ok, result.why()
     line = harness.result_line(result)
     assert line.endswith("PASS") and f"KernelBench 1/{PROBLEMS[result.case].number}" in line
-    assert "| PASS" in harness.table([result], opts)
+    assert _table_results(harness.table([result], opts)) == {f"{result.problem} {result.case}": "PASS"}
 
 
 @pytest.mark.compile
@@ -277,6 +304,18 @@ def test_first_run_compiles_second_is_served_from_cache(tmp_path):
     assert "nothing compiled; served from kernelgen's cache" in second.stdout, second.stdout
 
 
+@pytest.mark.compile
+def test_run_all_on_the_cpu_path():
+    command = [sys.executable, str(EXAMPLES / "run_all.py"), "--device", "cpu", "--checks", "1", "--warmup", "0",
+               "--runs", "1"]
+    done = subprocess.run(command, env=_subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
+    assert f"CPU path ({why}): reduced shapes" in done.stdout
+    results = _table_results(done.stdout)
+    assert results == {f"{p.number} {name}": "PASS" for name, p in PROBLEMS.items()}, done.stdout
+
+
 # ---------------------------------------------------------------- the GPU
 
 @pytest.mark.gpu
@@ -286,8 +325,8 @@ def test_run_all_on_the_gpu(precision):
     done = subprocess.run([sys.executable, str(EXAMPLES / "run_all.py"), "--precision", precision],
                           env=_subprocess_env(), capture_output=True, text=True, timeout=3600)
     print(done.stdout)
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "| case" not in line]
-    assert len(rows) == len(PROBLEMS), done.stdout + done.stderr[-4000:]
-    bad = [row for row in rows if not row.rstrip().endswith("PASS |")]
-    assert not bad, "\n".join(bad) + "\n" + done.stderr[-4000:]
+    results = _table_results(done.stdout)
+    assert len(results) == len(PROBLEMS), done.stdout + done.stderr[-4000:]
+    bad = {case: status for case, status in results.items() if status != "PASS"}
+    assert not bad, f"{bad}\n{done.stdout}\n{done.stderr[-4000:]}"
     assert done.returncode == 0, done.stderr[-4000:]
