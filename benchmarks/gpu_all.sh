@@ -2,13 +2,14 @@
 # The GPU host's one job: the GPU test tier, the examples and the benchmarks, with every
 # log and result under $OUT (or ./gpu-out when OUT is unset).
 #
-#   bash benchmarks/gpu_all.sh [tests|examples|bench|all]    (default: all)
+#   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests examples bench machinery (default: all of them)
 #
 # The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
 # machine reuses what the first compiled.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-stage=${1:-all}
+stages=" ${*:-tests examples bench machinery} "
+want() { [[ $stages == *" $1 "* ]]; }
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -21,12 +22,12 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
   | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >> "$out/env.txt" 2>&1
 
-if [[ $stage == tests || $stage == all ]]; then
+if want tests; then
   # The GPU tier only: the CPU tier runs in CI. -p no:cacheprovider keeps the tree clean.
   python3 -m pytest tests -m gpu -q -p no:cacheprovider -rfE 2>&1 | tee "$out/gpu_tests.log" | tail -40
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
-if [[ $stage == examples || $stage == all ]]; then
+if want examples; then
   # Warm every example's kernels ahead of time, then the main job must compile nothing.
   python3 -m kernelgen warm --examples --jobs "$KERNELGEN_JOBS" 2>&1 | tee "$out/warm_examples.log" | tail -8
   status=$(( status | ${PIPESTATUS[0]} ))
@@ -35,11 +36,13 @@ if [[ $stage == examples || $stage == all ]]; then
     status=$(( status | ${PIPESTATUS[0]} ))
   done
 fi
-if [[ $stage == bench || $stage == all ]]; then
+if want bench; then
   python3 benchmarks/bench_cases.py --json "$out/bench_cases.json" 2>&1 | tee "$out/bench_cases.log"
   status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want machinery; then
   python3 benchmarks/bench_machinery.py --json "$out/bench_machinery.json" 2>&1 | tee "$out/bench_machinery.log"
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
-echo "gpu_all.sh $stage: exit status $status"
+echo "gpu_all.sh${stages% }: exit status $status"
 exit $status
