@@ -221,6 +221,14 @@ def test_render_with_plain_jinja():
         env.get_template(FAMILY.template).render(ctx)
 
 
+@pytest.mark.parametrize("dtype, cv", [("float32", 1), ("float64", 1), ("bfloat16", 4), ("float16", 4)])
+def test_columns_per_lane(dtype, cv):
+    # 16-bit lanes own (up to) 4 adjacent columns; 4- and 8-byte types one.
+    src = _render(dict(kernel=(3, 3), stride=1, dilation=1, padding=(0, 0), mult=1, dtype=dtype, bias=False,
+                       tiles=dict(block_q=512, rows=8, threads=128, stages=1)))
+    assert f"constexpr int CV = cv_of(COLS, {cv});" in src
+
+
 @pytest.mark.parametrize("kw", GRID, ids=_grid_id)
 def test_grid_renders(kw):
     assert "kg_launch" in _render(kw)
@@ -278,7 +286,12 @@ def test_grid_compiles(kw, compiled_grid):
     _fit(dict(kernel=(2, 4), stride=(3, 1), dilation=(1, 3), padding=(1, 2), mult=3, dtype="float64", bias=True,
               tiles=TILE_CYCLE[2])),
     _fit(dict(kernel=9, stride=2, dilation=2, padding=8, dtype="float16", tiles=TILE_CYCLE[4])),
-], ids=["even-asymmetric-float64", "9x9-strided-dilated-float16"])
+    # 16-bit lanes with 4 columns (8-byte shared reads and stores), misaligned span (odd padding).
+    dict(kernel=(3, 3), stride=1, dilation=1, padding=(1, 1), mult=1, dtype="bfloat16", bias=True,
+         tiles=dict(block_q=512, rows=8, threads=128, stages=1)),
+    dict(kernel=(1, 4), stride=(1, 3), dilation=(1, 2), padding=(0, 3), mult=2, dtype="float16", bias=False,
+         tiles=dict(block_q=256, rows=2, threads=64, stages=2)),
+], ids=["even-asymmetric-float64", "9x9-strided-dilated-float16", "cv4-bfloat16", "cv4-strided-float16"])
 def test_odd_specs_compile(kw, tmp_path):
     path = tmp_path / "k.cu"
     path.write_text(_render(kw))

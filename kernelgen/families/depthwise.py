@@ -37,9 +37,10 @@ SMEM_LIMIT = 96 * 1024
 # Output columns a lane owns side by side (at most; the template uses fewer when a thread has
 # fewer columns): 16-bit types read shared memory and store in 4/8-byte words of them, so a
 # thread issues about as few instructions per byte as float32 does with one column. One
-# column per lane left bf16 instruction-bound (84: 1.99 ms); measured on H100, 84 bf16 with
-# block_q 512, rows 8: 2 columns 1.80 ms (256 threads) / 1.56 ms (128 threads), 4 columns
-# 1.52 ms (128 threads); 83 bf16 0.22 ms either way (harness timing, ctypes launch included).
+# column per lane left bf16 instruction-bound (84: 1.99 ms, 33 instructions per output);
+# measured on H100, 84 bf16 with block_q 512, rows 8: 2 columns 1.80 ms (256 threads) /
+# 1.56 ms (128 threads), 4 columns 1.52 ms (128 threads), 1.69 ms (64 threads).
+# float32 gains nothing from it (84 at 128 threads: 3.20 ms vs 2.95 at 256, one column).
 COLUMN_VECTOR = {"float32": 1, "float16": 4, "bfloat16": 4, "float64": 1}
 
 TILES: Mapping[str, tuple[int, ...]] = {
@@ -114,10 +115,10 @@ class DepthwiseFamily(Family):
             loads with another's math, and the persistent loop adds a barrier per tile.
         Then rows, block_q and threads shrink until the window fits in shared memory.
 
-        Measured (H100, block_q=512, rows=8, stages=1): float32 (threads 256) 84 2.93 ms
-        (2.91 TB/s, F.conv2d 10.1 ms), 83 0.40 ms (F.conv2d 1.48); bfloat16 (threads 128,
-        4 columns a lane) 84 1.52 ms (2.80 TB/s, F.conv2d 10.1 ms), 83 0.22 ms in the ctypes
-        harness (0.20 ms through benchmarks/bench_cases.py with 2 columns at 256 threads).
+        Measured (H100, benchmarks/bench_cases.py, these default tiles: block_q=512, rows=8,
+        stages=1): float32 (threads 256) 84 2.96 ms (F.conv2d 10.1 ms), 83 0.39 ms (F.conv2d
+        1.47); bfloat16 (threads 128, 4 columns a lane) 84 1.49 ms (F.conv2d 10.1 ms), 83
+        0.20 ms (F.conv2d 1.47). stages=2 stays slower in bfloat16 too (84: 1.85 vs 1.52 ms).
         """
         (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
         Q, P = max(problem.Q, 1), max(problem.P, 1)
