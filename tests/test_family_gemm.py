@@ -137,6 +137,10 @@ def test_default_tiles_for_the_benchmark_cases():
     assert t["block_k"] == 64 and t["block_m"] == 128  # one stage: weights resident
     p63 = _spec("igemm", 16, 128, 3, nhw=(16, 1024, 1024))
     assert gemm.igemm.layout(p63)["WRES"]
+    # Staged 16-byte-row epilogue where it measured faster (63), direct stores elsewhere (87).
+    assert dict(p63.tiles)["stage_out"] == 1 and t["stage_out"] == 0
+    lay = gemm.igemm.layout(p63)
+    assert lay["EPI_WORDS"] > 0 and lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
     p56 = _spec("igemm", 64, 128, (5, 7), nhw=(8, 512, 256))
     assert gemm.igemm.layout(p56)["BN"] == 256  # compute-bound: 64x64 warp tiles
 

@@ -23,6 +23,11 @@ When one stage covers the whole reduction (CIN_G <= BLOCK_K, and all kernel rows
 the weights stay resident in shared memory and blocks are persistent, looping over
 output tiles, so each block loads its weights once.
 
+Epilogue (tile `stage_out`): 0 stores pairs straight from the MMA fragments; 1 stages each
+warp's tile in its own shared-memory rows, shifted by each output row's misalignment, and
+writes whole aligned 16-byte st.global.cs chunks (scalar ends), for any output alignment.
+Both need unit-stride output pixels; a kernel falls back to scalar stores otherwise.
+
 Shared-memory layouts (in 32-bit words; a word holds one float32 or a pair of
 consecutive channels in float16/bfloat16) are computed here, in `layout()`, the one
 place both `check_shape` and the template (through `context`) take them from.
@@ -101,8 +106,21 @@ class GemmFamily(Family):
         wres = kstages == 1
         xwords = kp * cs
         wwords = bm * aks
-        smem_words = wwords + 2 * xwords if wres else 2 * (wwords + xwords)
         mt, nt = bm // warps_m // 16, bn // warps_n // 8
+        # Epilogue staging: each warp writes its WTM x WTN tile to shared memory as rows of
+        # SEG output pixels that are contiguous in global memory, shifted by the row's
+        # 16-byte misalignment, then streams whole 16-byte chunks (ERS words per row).
+        esz = 4 if spec.dtype == "float32" else 2
+        wtn = nt * 8
+        seg = min(wtn, tq)  # both powers of two: one divides the other
+        need = _ceil((seg + 16 // esz) * esz, 16) * 4  # words, whole 16-byte chunks
+        # Conflict-free fragment writes: 8-byte (float32) rows 8 mod 16 words apart, 4-byte 4 mod 8.
+        ers = _pad_to(need, 16, 8) if esz == 4 and seg >= 32 else _pad_to(need, 8, 4)
+        stage_out = bool(t.get("stage_out", 0))
+        epi_words = warps_m * warps_n * (mt * 16) * (wtn // seg) * ers if stage_out else 0
+        # Resident weights: the staging has its own region, so a warp stores while others compute.
+        # Otherwise it reuses the pipeline buffers between two barriers (one per tile: cheap).
+        smem_words = wwords + 2 * xwords + epi_words if wres else max(2 * (wwords + xwords), epi_words)
         prefetch = _ceil(kp * xp * xq, nth) * epw + (0 if wres else _ceil(bm * ksw, nth) * epw)
         if self.flat:  # the 16-byte path loads 4 pixels per unit
             prefetch = max(prefetch, _ceil(kp * bn // 4, nth) * 4)
@@ -115,6 +133,7 @@ class GemmFamily(Family):
             "FULL": full, "NTH": nth, "WARPS_M_": warps_m, "WARPS_N_": warps_n, "MT": mt, "NT": nt,
             "KP": kp, "KR": kr, "KSW": ksw, "AKS": aks, "XP": xp, "XQ": xq, "CS": cs,
             "CCHUNKS": cchunks, "KSTAGES": kstages, "WRES": wres, "XWORDS": xwords, "WWORDS": wwords,
+            "STAGE_OUT": stage_out, "SEG": seg, "ERS": ers, "EPI_WORDS": epi_words,
             "SMEM_BYTES": smem, "MB": _ceil(spec.cout_per_group, bm), "MINB": t["min_blocks"],
             "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc, "FLUSH": flush,
         }
@@ -200,7 +219,12 @@ class GemmFamily(Family):
         bn_list = (256, 128, 64) if heavy and bm == 128 and not strict3 else (128, 64)
         tiles: list[dict[str, int]] = []
         for ck in candidates_k:
-            base = {"block_m": bm, "block_k": ck, "warps_m": warps_m, "warps_n": 4}
+            # Staged epilogue only where it measured faster (H100): igemm with one resident stage
+            # (case 63: TF32 10.3 -> 9.0 ms, bf16 10.9 -> 9.9). It lost elsewhere: 87 TF32 4.74 ->
+            # 5.5, 87 strict 6.4 -> 8.2, 63 strict 14.0 -> 15.6, 56 even (one block of 8 warps per
+            # SM is latency-bound; the staging's extra shared-memory round trip is on that path).
+            stage = int(not self.flat and ck >= cin_g and kh <= 3 and not strict3)
+            base = {"block_m": bm, "block_k": ck, "warps_m": warps_m, "warps_n": 4, "stage_out": stage}
             for bn in bn_list:
                 if self.flat:
                     tiles.append({**base, "block_n": bn})
@@ -242,7 +266,7 @@ _COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "
 pointwise = GemmFamily(
     name="pointwise", template="cuda/pointwise.cu.j2", flat=True,
     tiles={"block_m": (32, 64, 128), "block_n": (32, 64, 128, 256), "block_k": (8, 16, 32, 64, 128),
-           "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8), "min_blocks": (1, 2)},
+           "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8), "min_blocks": (1, 2), "stage_out": (0, 1)},
     **_COMMON,
 )
 
@@ -250,7 +274,7 @@ igemm = GemmFamily(
     name="igemm", template="cuda/igemm.cu.j2",
     tiles={"block_m": (32, 64, 128), "tile_p": (1, 2, 4, 8, 16), "tile_q": (8, 16, 32, 64, 128),
            "block_k": (8, 16, 32, 64), "full_kh": (0, 1), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8),
-           "min_blocks": (1, 2)},
+           "min_blocks": (1, 2), "stage_out": (0, 1)},
     **_COMMON,
 )
 
