@@ -138,7 +138,7 @@ def test_default_tiles_for_the_benchmark_cases():
     p63 = _spec("igemm", 16, 128, 3, nhw=(16, 1024, 1024))
     assert gemm.igemm.layout(p63)["WRES"]
     # Staged 16-byte-row epilogue where it measured faster (63), direct stores elsewhere (87).
-    assert dict(p63.tiles)["stage_out"] == 1 and t["stage_out"] == 0
+    assert dict(p63.tiles)["stage_out"] == 1 and t["stage_out"] == 0 and dict(p63.tiles)["block_m"] == 64
     lay = gemm.igemm.layout(p63)
     assert lay["EPI_WORDS"] > 0 and lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
     p56 = _spec("igemm", 64, 128, (5, 7), nhw=(8, 512, 256))

@@ -188,6 +188,9 @@ class GemmFamily(Family):
 
         - block_m covers COUT_G up to 128 (32/64/128): each staged input value feeds as
           many output channels as possible; 8 warps as 2x4 (1x4 below 64 channels).
+          Exception: igemm TF32 with resident weights tries 64 first (two blocks per SM)
+          and stages its epilogue (stage_out=1); see the measurements in the loop.
+        - pointwise 16-bit: 64-pixel blocks first (measured faster on case 87).
         - block_k takes all of CIN_G when that is at most 64 channels: the reduction is
           one stage, the weights stay resident and blocks are persistent (the
           memory-bound 1x1 and small-CIN k x k cases). Otherwise 16 channels, or 8 for
@@ -217,26 +220,35 @@ class GemmFamily(Family):
         warps_m = 2 if bm >= 64 else 1
         strict3 = spec.dtype == "float32" and spec.math == "ieee"  # 3xTF32: more registers
         bn_list = (256, 128, 64) if heavy and bm == 128 and not strict3 else (128, 64)
+        if self.flat and epw == 2:
+            bn_list = (64, 128)  # case 87 bf16: 3.09 ms against 3.23 with 128 (H100)
+        tf32 = spec.dtype == "float32" and spec.math == "tf32"
         tiles: list[dict[str, int]] = []
         for ck in candidates_k:
-            # Staged epilogue only where it measured faster (H100): igemm with one resident stage
-            # (case 63: TF32 10.3 -> 9.0 ms, bf16 10.9 -> 9.9). It lost elsewhere: 87 TF32 4.74 ->
-            # 5.5, 87 strict 6.4 -> 8.2, 63 strict 14.0 -> 15.6, 56 even (one block of 8 warps per
-            # SM is latency-bound; the staging's extra shared-memory round trip is on that path).
-            stage = int(not self.flat and ck >= cin_g and kh <= 3 and not strict3)
-            base = {"block_m": bm, "block_k": ck, "warps_m": warps_m, "warps_n": 4, "stage_out": stage}
-            for bn in bn_list:
-                if self.flat:
-                    tiles.append({**base, "block_n": bn})
-                    continue
-                q = problem.Q
-                wide = [(2, 64), (1, 128), (4, 32)] if q > 96 else [(4, 32), (2, 64)] if q > 24 else [(8, 16)]
-                shapes = [(tp * bn // 128, tq) for tp, tq in wide if tp * bn // 128 >= 1]
-                if bn == 64:
-                    shapes = [(tp // 2, tq) for tp, tq in wide if tp >= 2] + [(1, 64)]
-                for full in ((1, 0) if kh <= 3 else (0, 1)):
-                    for tp, tq in shapes:
-                        tiles.append({**base, "tile_p": tp, "tile_q": tq, "full_kh": full})
+            # Staged epilogue where it measured faster (H100, same process): igemm TF32 with one
+            # resident stage (case 63: 9.1 ms against 10.9 with direct stores). It lost elsewhere:
+            # 87 TF32 4.74 -> 5.5, 87 strict 6.4 -> 8.2, 63 strict 14.0 -> 15.6, 63 bf16 9.24 ->
+            # 9.70, 56 even (one block of 8 warps per SM is latency-bound, and the staging's
+            # shared-memory round trip sits on that path).
+            resident = not self.flat and ck >= cin_g and kh <= 3
+            stage = int(resident and tf32)
+            # ... and there 64-channel blocks (32x32 warp tiles, two blocks per SM) beat 128:
+            # case 63 TF32 8.78 ms against 9.12.
+            for b in ((64, bm) if stage and bm == 128 else (bm,)):
+                base = {"block_m": b, "block_k": ck, "warps_m": 2 if b >= 64 else 1, "warps_n": 4,
+                        "stage_out": stage}
+                for bn in bn_list:
+                    if self.flat:
+                        tiles.append({**base, "block_n": bn})
+                        continue
+                    q = problem.Q
+                    wide = [(2, 64), (1, 128), (4, 32)] if q > 96 else [(4, 32), (2, 64)] if q > 24 else [(8, 16)]
+                    shapes = [(tp * bn // 128, tq) for tp, tq in wide if tp * bn // 128 >= 1]
+                    if bn == 64:
+                        shapes = [(tp // 2, tq) for tp, tq in wide if tp >= 2] + [(1, 64)]
+                    for full in ((1, 0) if kh <= 3 else (0, 1)):
+                        for tp, tq in shapes:
+                            tiles.append({**base, "tile_p": tp, "tile_q": tq, "full_kh": full})
         for cand in tiles:
             cand = {k: v for k, v in cand.items() if k in self.tiles}
             if any(k not in cand for k in self.tiles if k != "min_blocks"):
