@@ -11,7 +11,6 @@ keeps a cold build at a few seconds instead of half a minute.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -23,11 +22,15 @@ if TYPE_CHECKING:
     from .toolchain import Toolchain
 
 
-@dataclass
 class Built:
-    module: ModuleType
-    path: Path  # the .so
-    seconds: float
+    """A freshly built module, the .so it came from, and how long the build took."""
+
+    __slots__ = ("module", "path", "seconds")
+
+    def __init__(self, module: ModuleType, path: Path, seconds: float):
+        self.module = module
+        self.path = path
+        self.seconds = seconds
 
 
 def so_name(name: str) -> str:

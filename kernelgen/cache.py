@@ -31,7 +31,6 @@ import stat
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -94,11 +93,15 @@ def module_name(key: str) -> str:
     return f"kg_{key}_{uuid.uuid4().hex[:8]}"
 
 
-@dataclass
 class Entry:
-    key: str
-    path: Path
-    manifest: dict
+    """A complete entry on disk: its key, directory and manifest."""
+
+    __slots__ = ("key", "path", "manifest")
+
+    def __init__(self, key: str, path: Path, manifest: dict):
+        self.key = key
+        self.path = path
+        self.manifest = manifest
 
     @property
     def so_path(self) -> Path:
@@ -166,8 +169,14 @@ class Cache:
         return self.root / "entries" / key
 
     # -- reading -----------------------------------------------------------------------
-    def read_entry(self, key: str, toolchain: Toolchain | None = None, verify_so: bool = True) -> Entry:
-        """The complete, verified entry for `key`; InvalidEntry (or FileNotFoundError) otherwise."""
+    def read_entry(self, key: str, toolchain: Toolchain | None = None, verify_so: bool = True,
+                   expect: dict | None = None) -> Entry:
+        """The complete, verified entry for `key`; InvalidEntry (or FileNotFoundError) otherwise.
+
+        toolchain: the entry must have been built by it (its runtime fields, where the
+            local compilers are unknown). expect: toolchain fields that must match (the
+            cheap subset a plan record's caller can name without building a Toolchain).
+        """
         path = self.entry_dir(key)
         try:
             manifest = json.loads((path / MANIFEST).read_text())
@@ -186,6 +195,10 @@ class Cache:
                 theirs = {k: v for k, v in theirs.items() if k in ours} if isinstance(theirs, dict) else theirs
             if theirs != ours:
                 raise InvalidEntry("built by another toolchain")
+        if expect:
+            theirs = manifest.get("toolchain")
+            if not isinstance(theirs, dict) or any(theirs.get(k) != v for k, v in expect.items()):
+                raise InvalidEntry("built by another toolchain")
         entry = Entry(key=key, path=path, manifest=manifest)
         so = manifest.get("so") or {}
         if not isinstance(so.get("file"), str) or "/" in so["file"] or so["file"].startswith("."):
@@ -201,9 +214,9 @@ class Cache:
                 raise InvalidEntry(f"{so['file']} does not match the manifest's sha256 (foreign or corrupted)")
         return entry
 
-    def load(self, key: str, toolchain: Toolchain | None) -> ModuleType:
-        """Import the verified entry `key` (toolchain None: the caller vouches for it, see plans.py)."""
-        entry = self.read_entry(key, toolchain)
+    def load(self, key: str, toolchain: Toolchain | None, expect: dict | None = None) -> ModuleType:
+        """Import the verified entry `key` (see read_entry for toolchain and expect)."""
+        entry = self.read_entry(key, toolchain, expect=expect)
         try:
             module = _import_so(entry.manifest["name"], entry.so_path)
         except ImportError as exc:

@@ -82,7 +82,7 @@ def _hashable(v: Any) -> Any:
 def _cuda_arch(index: int) -> str:
     arch = _arch_by_device.get(index)
     if arch is None:
-        from .toolchain import arch_for_capability
+        from .arch import arch_for_capability
 
         arch = _arch_by_device[index] = arch_for_capability(*torch.cuda.get_device_capability(index))
     return arch
@@ -187,7 +187,7 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
         record = plans.read(cache.root, record_name)
         if record is not None:
             try:
-                launch = load_entry(record["key"], cache)
+                launch = load_entry(record["key"], cache, expect=_runtime_fields(device, arch))
                 if launch is not None:
                     return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias)
             except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
@@ -219,6 +219,25 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
         plans.write(cache.root, record_name,
                     {"key": key, "call": call_fields, "prep": spec.layout, "summary": spec.summary()})
     return _plan(launch, key, call_fields, spec.layout, input, weight, bias)
+
+
+_runtime: dict[tuple[str, str], dict] = {}
+
+
+def _runtime_fields(device: str, arch: str) -> dict:
+    """The toolchain fields a served entry must show, known without building a Toolchain."""
+    fields = _runtime.get((device, arch))
+    if fields is None:
+        import sys
+
+        from ._version import __version__
+
+        fields = _runtime[(device, arch)] = {
+            "kernelgen": __version__, "python": sys.implementation.cache_tag, "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda or "", "device": device}
+        if device == "cuda":
+            fields["arch"] = arch
+    return fields
 
 
 def _default_cache():

@@ -63,11 +63,12 @@ def load_kernel(spec: "ConvSpec", toolchain: "Toolchain", cache: "Cache | None" 
     return hit
 
 
-def load_entry(key: str, cache: "Cache | None" = None) -> Launch | None:
+def load_entry(key: str, cache: "Cache | None" = None, expect: dict | None = None) -> Launch | None:
     """The launch function of the verified entry `key`, or None if it is missing or unusable.
 
     For callers that already know the key from a plan record (plans.py), whose name
-    covers the toolchain, so the entry's toolchain is not compared again here.
+    covers the toolchain; `expect` names the toolchain fields the entry's manifest must
+    still show (kernelgen, Python, torch, CUDA, device, arch).
     """
     fn = _by_key.get(key)
     if fn is not None:
@@ -80,7 +81,7 @@ def load_entry(key: str, cache: "Cache | None" = None) -> Launch | None:
         if fn is None:
             try:
                 cache.ensure()
-                fn = cache.load(key, toolchain=None).launch
+                fn = cache.load(key, toolchain=None, expect=expect).launch
             except (FileNotFoundError, InvalidEntry) as exc:
                 log.debug("kernelgen: plan record names entry %s, which is not usable (%s)", key[:16], exc)
                 return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,12 +21,24 @@ if TYPE_CHECKING:  # the spec module is only needed once something is rendered
 ABI_VERSION = 1
 
 
-@dataclass(frozen=True)
 class Rendered:
-    """The translation units of one kernel: `cpp` for the host compiler, `cuda` for nvcc."""
+    """The translation units of one kernel: `cpp` for the host compiler, `cuda` for nvcc.
 
-    cpp: str
-    cuda: str | None
+    A plain class (not a dataclass): this module is imported on every warm start, and
+    generating a dataclass's methods costs more than the rest of the import.
+    """
+
+    __slots__ = ("cpp", "cuda")
+
+    def __init__(self, cpp: str, cuda: str | None):
+        self.cpp = cpp
+        self.cuda = cuda
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rendered) and (self.cpp, self.cuda) == (other.cpp, other.cuda)
+
+    def __hash__(self) -> int:
+        return hash((self.cpp, self.cuda))
 
     @property
     def digest(self) -> str:

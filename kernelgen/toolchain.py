@@ -21,6 +21,7 @@ from pathlib import Path
 
 from . import config
 from ._version import __version__
+from .arch import arch_flags, arch_for_capability  # noqa: F401 (part of this module's API)
 
 CUDA_CFLAGS_BASE = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr")
 CPU_CFLAGS_BASE = ("-O3", "-std=c++17", "-fopenmp", "-fno-math-errno")
@@ -63,21 +64,6 @@ class Toolchain:
     def describe(self) -> str:
         return (f"torch {self.torch} (CUDA {self.torch_cuda or '-'}), nvcc {self.nvcc or '-'}, "
                 f"{self.host_compiler}, {self.arch}")
-
-
-def arch_flags(arch: str) -> tuple[str, ...]:
-    """nvcc target flags for 'sm_90a', 'sm_90', 'sm_80', ..."""
-    m = re.fullmatch(r"sm_(\d+)(a?)", arch)
-    if not m:
-        raise ValueError(f"unknown CUDA architecture {arch!r}; expected a name like sm_80, sm_90 or sm_90a")
-    num, suffix = m.groups()
-    return (f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}",)
-
-
-def arch_for_capability(major: int, minor: int) -> str:
-    # Hopper's arch-specific instructions (wgmma, setmaxnreg) need the 'a' target;
-    # sm_90a code runs on every compute-capability-9.0 part.
-    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
 def _tool_version(binary: str, pattern: str) -> str:
