@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kernelgen")
 
 MANIFEST = "manifest.json"
+VERIFIED = "verified.json"  # inode, size, mtime and sha256 of the .so when it was last hashed
 FORMAT = 1
 
 
@@ -205,13 +206,25 @@ class Cache:
             raise InvalidEntry("manifest names no valid .so")
         if verify_so:
             try:
-                size = entry.so_path.stat().st_size
+                st = entry.so_path.stat()
             except FileNotFoundError:
                 raise InvalidEntry(f"{so['file']} is missing") from None
-            if size != so.get("size"):
-                raise InvalidEntry(f"{so['file']} is {size} bytes, the manifest says {so.get('size')} (truncated?)")
-            if _file_sha256(entry.so_path) != so.get("sha256"):
-                raise InvalidEntry(f"{so['file']} does not match the manifest's sha256 (foreign or corrupted)")
+            if st.st_size != so.get("size"):
+                raise InvalidEntry(f"{so['file']} is {st.st_size} bytes, the manifest says {so.get('size')} "
+                                   f"(truncated?)")
+            # Hashing the .so is the slowest part of a warm start: skip it when the file is
+            # the very one a previous process hashed (same inode, size and mtime).
+            seen = [st.st_ino, st.st_size, st.st_mtime_ns, so.get("sha256")]
+            try:
+                verified = json.loads((path / VERIFIED).read_text()) == seen
+            except (OSError, ValueError):
+                verified = False
+            if not verified:
+                if _file_sha256(entry.so_path) != so.get("sha256"):
+                    raise InvalidEntry(f"{so['file']} does not match the manifest's sha256 (foreign or corrupted)")
+                if self.writable:
+                    with contextlib.suppress(OSError):
+                        _atomic_write(path / VERIFIED, json.dumps(seen))
         return entry
 
     def load(self, key: str, toolchain: Toolchain | None, expect: dict | None = None) -> ModuleType:

@@ -31,14 +31,21 @@ from ._version import __version__
 FORMAT = 1
 
 
-def _walk(root: Path, suffix: str) -> list[list]:
+def _walk(root: str, suffix: str, prefix: str = "") -> list[list]:
+    """[relative path, size, mtime_ns] of every file ending in `suffix` under `root`, sorted.
+
+    os.scandir, not pathlib or os.walk: this runs in every process's first call.
+    """
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in sorted(filenames):
-            if name.endswith(suffix):
-                st = os.stat(os.path.join(dirpath, name))
-                found.append([os.path.relpath(os.path.join(dirpath, name), root), st.st_size, st.st_mtime_ns])
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            if e.name != "__pycache__":
+                found += _walk(e.path, suffix, prefix + e.name + "/")
+        elif e.name.endswith(suffix):
+            st = e.stat()
+            found.append([prefix + e.name, st.st_size, st.st_mtime_ns])
     return found
 
 
@@ -49,7 +56,7 @@ def identity() -> str:
 
     from .render import template_dir
 
-    package = Path(__file__).resolve().parent
+    package = os.path.dirname(os.path.abspath(__file__))
     tools = []
     for name in (config.host_compiler(), "nvcc"):
         path = shutil.which(name)
@@ -60,7 +67,7 @@ def identity() -> str:
             tools.append(None)
     home = config.cuda_home()
     ident = [FORMAT, __version__, sys.implementation.cache_tag, torch.__version__, torch.version.cuda,
-             _walk(package, ".py"), _walk(template_dir(), ".j2"), tools, str(home) if home else None]
+             _walk(package, ".py"), _walk(str(template_dir()), ".j2"), tools, str(home) if home else None]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()
 
 
