@@ -201,6 +201,7 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
     from .toolchain import current
 
     toolchain = current("cpu") if device == "cpu" else current("cuda", _cuda_arch(input.device.index))
+    fell_back = False
     try:
         launch, key = load_kernel(spec, toolchain)
     except CompileError:
@@ -211,11 +212,13 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
         log.warning("kernelgen: family %s failed to build for %s; using the direct family instead",
                     spec.family, spec.summary(), exc_info=True)
         count("fallbacks")
+        fell_back = True
         spec, _ = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                            family="direct")
         launch, key = load_kernel(spec, toolchain)
     cache = _default_cache()
-    if record_name is not None and cache.writable:
+    # No record after a fallback: each process should try (and report) the fast family again.
+    if record_name is not None and cache.writable and not fell_back:
         plans.write(cache.root, record_name,
                     {"key": key, "call": call_fields, "prep": spec.layout, "summary": spec.summary()})
     return _plan(launch, key, call_fields, spec.layout, input, weight, bias)
