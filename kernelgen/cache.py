@@ -113,7 +113,7 @@ class InvalidEntry(Exception):
     """An entry on disk that must not be served (reason in the message)."""
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -220,7 +220,7 @@ class Cache:
             except (OSError, ValueError):
                 verified = False
             if not verified:
-                if _file_sha256(entry.so_path) != so.get("sha256"):
+                if file_sha256(entry.so_path) != so.get("sha256"):
                     raise InvalidEntry(f"{so['file']} does not match the manifest's sha256 (foreign or corrupted)")
                 if self.writable:
                     with contextlib.suppress(OSError):
@@ -356,7 +356,7 @@ class Cache:
             "format": FORMAT, "key": key, "name": name, "family": spec.family,
             "spec": spec.to_dict(), "summary": spec.summary(), "toolchain": toolchain.to_dict(),
             "source_digest": rendered.digest, "created": time.time(), "build_seconds": round(built.seconds, 3),
-            "so": {"file": so.name, "size": so.stat().st_size, "sha256": _file_sha256(so)},
+            "so": {"file": so.name, "size": so.stat().st_size, "sha256": file_sha256(so)},
             "sources": ["main.cpp"] + (["cuda.cu"] if rendered.cuda is not None else []),
         }
         _atomic_write(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))

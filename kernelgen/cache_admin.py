@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ._version import __version__
-from .cache import MANIFEST, Cache, InvalidEntry, cache_key, lookup_key
+from .cache import MANIFEST, Cache, InvalidEntry, cache_key, file_sha256, lookup_key
 from .errors import KernelgenError
 from .spec import ConvSpec
 from .toolchain import Toolchain
@@ -266,14 +266,6 @@ def prune(cache: Cache, max_size: int | None = None, older_than: float | None = 
 # ---------------------------------------------------------------------------- export
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def export(cache: Cache, archive: str | Path, keys: Sequence[str] | None = None) -> list[str]:
     """Write the verified entries (all, or those of `keys`/prefixes) to a tar.gz; returns their keys.
 
@@ -294,7 +286,7 @@ def export(cache: Cache, archive: str | Path, keys: Sequence[str] | None = None)
             f"entries/{info.key}/{s}") and (entry.path / s).is_file()]
         chosen.append((info.key, [entry.path / n for n in dict.fromkeys(names)]))
     manifest = {"format": ARCHIVE_FORMAT, "kernelgen": __version__, "created": time.time(), "entries": {
-        key: {"files": {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}}
+        key: {"files": {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in files}}
         for key, files in chosen}}
     archive = Path(archive)
     tmp = archive.with_name(f".{archive.name}.{os.getpid()}.tmp")
