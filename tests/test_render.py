@@ -134,16 +134,16 @@ def _grid(family, n: int, seed: int = 0) -> list[ConvSpec]:
     rng = random.Random(seed)
     kernels = [(1, 1), (3, 3), (3, 1), (1, 3), (5, 7), (2, 2)]
     out, seen = [], set()
-    combos = list(itertools.product(kernels, [1, 2], [1, 2], ["dense", "grouped", "depthwise", "depthwise_m2"],
+    combos = list(itertools.product(kernels, [1, 2], [1, 2], [0, 1], ["dense", "grouped", "depthwise", "depthwise_m2"],
                                     family.dtypes, [False, True], ["ieee", "tf32"]))
     rng.shuffle(combos)
-    for k, s, d, g, dtype, bias, math in combos:
+    for k, s, d, pad, g, dtype, bias, math in combos:
         cin = 8
         groups, cout = {"dense": (1, 16), "grouped": (2, 16), "depthwise": (8, 8), "depthwise_m2": (8, 16)}[g]
         if math == "tf32" and (dtype != "float32" or not family.tf32):
             continue
         try:
-            spec = ConvSpec(cin, cout, k, stride=s, padding=1, dilation=d, groups=groups, dtype=dtype, bias=bias,
+            spec = ConvSpec(cin, cout, k, stride=s, padding=pad, dilation=d, groups=groups, dtype=dtype, bias=bias,
                             device="cuda", layout=family.layouts[0], math=math, family=family.name)
             family.check(spec)
         except (Unsupported, ValueError):
