@@ -137,10 +137,14 @@ def test_default_tiles_for_the_benchmark_cases():
     assert t["block_k"] == 64 and t["block_m"] == 128  # one stage: weights resident
     p63 = _spec("igemm", 16, 128, 3, nhw=(16, 1024, 1024))
     assert gemm.igemm.layout(p63)["WRES"]
-    # Staged 16-byte-row epilogue where it measured faster (63), direct stores elsewhere (87).
-    assert dict(p63.tiles)["stage_out"] == 1 and t["stage_out"] == 0 and dict(p63.tiles)["block_m"] == 64
+    # 63 TF32: 128-channel blocks, cp.async input, direct stores (measured fastest); 87 and the
+    # strict cells keep register-staged input.
+    t63 = dict(p63.tiles)
+    assert t63["async_x"] == 1 and t63["stage_out"] == 0 and t63["block_m"] == 128 and t63["min_blocks"] == 1
+    assert t["stage_out"] == 0 and t["async_x"] == 0
+    assert dict(_spec("igemm", 16, 128, 3, math="ieee", nhw=(16, 1024, 1024)).tiles)["async_x"] == 0
     lay = gemm.igemm.layout(p63)
-    assert lay["EPI_WORDS"] > 0 and lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
+    assert lay["XASYNC"] and lay["EPI_WORDS"] == 0 and lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
     p56 = _spec("igemm", 64, 128, (5, 7), nhw=(8, 512, 256))
     assert gemm.igemm.layout(p56)["BN"] == 256  # compute-bound: 64x64 warp tiles
 
@@ -150,6 +154,21 @@ def test_small_and_odd_shapes_get_tiles():
         family = "pointwise" if k == 1 else "igemm"
         for dtype in ("float32", "bfloat16"):
             _spec(family, cin, cout, k, groups=groups, dtype=dtype, nhw=(1, 7, 7))
+
+
+def test_async_input_tiles():
+    p63 = _spec("igemm", 16, 128, 3, nhw=(16, 1024, 1024))
+    lay = gemm.igemm.layout(p63)
+    assert lay["XASYNC"] and lay["XDEPTH"] == 1 and lay["NXB"] == 2 and lay["PREFETCH_WORDS"] == 0
+    two = dict(p63.tiles, async_x=2)
+    gemm.igemm.check_tiles(p63, two)
+    lay2 = gemm.igemm.layout(p63, two)
+    assert lay2["NXB"] == 3 and lay2["SMEM_BYTES"] == lay["SMEM_BYTES"] + lay["XWORDS"] * 4
+    p56 = _spec("igemm", 64, 128, (5, 7), nhw=(8, 512, 256))  # weights staged per stage
+    with pytest.raises(Unsupported, match="async_x"):
+        gemm.igemm.check_tiles(p56, dict(p56.tiles, async_x=1))
+    with pytest.raises(Unsupported, match="async_x"):  # 16-bit words pair two channels
+        gemm.igemm.check_tiles(p63.replace(dtype="bfloat16", math="ieee"), dict(p63.tiles))
 
 
 # -- compile (needs nvcc) ----------------------------------------------------------------------
@@ -172,3 +191,20 @@ def test_compiles_for_sm90a(k, stride, dil, groups, dm, bias, tmp_path):
     if os.path.exists(cuobjdump):
         sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True).stdout
         assert "HMMA" in sass
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("family,k,math,depth", [("igemm", 3, "tf32", 1), ("pointwise", 1, "ieee", 2)])
+def test_async_input_compiles(family, k, math, depth, tmp_path):
+    spec = _spec(family, 16 if k == 3 else 64, 128, k, math=math, bias=True)
+    spec = spec.replace(tiles=dict(spec.tiles, async_x=depth, stage_out=0, min_blocks=1))
+    src = tmp_path / "k.cu"
+    src.write_text(_render(spec))
+    obj = tmp_path / "k.o"
+    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-c", str(src), "-o", str(obj)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(NVCC), "cuobjdump")
+    if os.path.exists(cuobjdump):
+        sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True).stdout
+        assert "LDGSTS" in sass and "HMMA" in sass

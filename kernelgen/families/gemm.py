@@ -21,7 +21,10 @@ A stage is staged through registers (global loads for stage j+1 are in flight wh
 stage j's MMAs run), double-buffered in shared memory with one barrier per stage.
 When one stage covers the whole reduction (CIN_G <= BLOCK_K, and all kernel rows),
 the weights stay resident in shared memory and blocks are persistent, looping over
-output tiles, so each block loads its weights once.
+output tiles, so each block loads its weights once. There, float32 may take its input
+by cp.async instead (tile `async_x`: 1 one tile ahead, 2 two tiles ahead in three buffers;
+no prefetch registers; TF32 rounds each thread's own copied words in place before the barrier).
+Tile indices decode with 32-bit division whenever the tile count fits 31 bits.
 
 Epilogue (tile `stage_out`): 0 stores pairs straight from the MMA fragments; 1 stages each
 warp's tile in its own shared-memory rows, shifted by each output row's misalignment, and
@@ -118,11 +121,18 @@ class GemmFamily(Family):
         ers = _pad_to(need, 16, 8) if esz == 4 and seg >= 32 else _pad_to(need, 8, 4)
         stage_out = bool(t.get("stage_out", 0))
         epi_words = warps_m * warps_n * (mt * 16) * (wtn // seg) * ers if stage_out else 0
+        # async_x: float32 input stages land by cp.async (no prefetch registers); needs resident
+        # weights, whose epilogue staging does not overlap the buffer being filled.
+        # async_x=2 keeps two tiles in flight (three input buffers).
+        xasync = bool(t.get("async_x", 0)) and epw == 1 and wres
+        xdepth = int(t.get("async_x", 0)) if xasync else 1
+        nxb = xdepth + 1
         # Resident weights: the staging has its own region, so a warp stores while others compute.
         # Otherwise it reuses the pipeline buffers between two barriers (one per tile: cheap).
-        smem_words = wwords + 2 * xwords + epi_words if wres else max(2 * (wwords + xwords), epi_words)
-        prefetch = _ceil(kp * xp * xq, nth) * epw + (0 if wres else _ceil(bm * ksw, nth) * epw)
-        if self.flat:  # the 16-byte path loads 4 pixels per unit
+        smem_words = wwords + nxb * xwords + epi_words if wres else max(2 * (wwords + xwords), epi_words)
+        prefetch = 0 if xasync else _ceil(kp * xp * xq, nth) * epw
+        prefetch += 0 if wres else _ceil(bm * ksw, nth) * epw
+        if self.flat and not xasync:  # the 16-byte path loads 4 pixels per unit
             prefetch = max(prefetch, _ceil(kp * bn // 4, nth) * 4)
         # 3xTF32 over several stages sums each stage apart (see FLUSH in the template).
         flush = spec.dtype == "float32" and spec.math == "ieee" and kstages > 1
@@ -133,7 +143,7 @@ class GemmFamily(Family):
             "FULL": full, "NTH": nth, "WARPS_M_": warps_m, "WARPS_N_": warps_n, "MT": mt, "NT": nt,
             "KP": kp, "KR": kr, "KSW": ksw, "AKS": aks, "XP": xp, "XQ": xq, "CS": cs,
             "CCHUNKS": cchunks, "KSTAGES": kstages, "WRES": wres, "XWORDS": xwords, "WWORDS": wwords,
-            "STAGE_OUT": stage_out, "SEG": seg, "ERS": ers, "EPI_WORDS": epi_words,
+            "XASYNC": xasync, "XDEPTH": xdepth, "NXB": nxb, "STAGE_OUT": stage_out, "SEG": seg, "ERS": ers, "EPI_WORDS": epi_words,
             "SMEM_BYTES": smem, "MB": _ceil(spec.cout_per_group, bm), "MINB": t["min_blocks"],
             "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc, "FLUSH": flush,
         }
@@ -167,6 +177,8 @@ class GemmFamily(Family):
             raise Unsupported(f"block_m={t['block_m']} is not a multiple of 16*warps_m={16 * t['warps_m']}")
         if lay["BN"] % (8 * t["warps_n"]):
             raise Unsupported(f"the pixel tile ({lay['BN']}) is not a multiple of 8*warps_n={8 * t['warps_n']}")
+        if t.get("async_x", 0) and not lay["XASYNC"]:
+            raise Unsupported("async_x needs float32 and resident weights (one stage per tile)")
         if lay["NTH"] > MAX_THREADS:
             raise Unsupported(f"warps_m*warps_n={lay['NTH'] // 32} warps exceed {MAX_THREADS // 32}")
         if lay["ACC_PER_THREAD"] > MAX_ACC_PER_THREAD:
@@ -188,8 +200,9 @@ class GemmFamily(Family):
 
         - block_m covers COUT_G up to 128 (32/64/128): each staged input value feeds as
           many output channels as possible; 8 warps as 2x4 (1x4 below 64 channels).
-          Exception: igemm TF32 with resident weights tries 64 first (two blocks per SM)
-          and stages its epilogue (stage_out=1); see the measurements in the loop.
+          Exception: igemm TF32 with resident weights tries 128 with cp.async input
+          (async_x=1, one block per SM), then 64 (two blocks per SM) with a staged epilogue
+          (stage_out=1); see the measurements in the loop.
         - pointwise 16-bit: 64-pixel blocks first (measured faster on case 87).
         - block_k takes all of CIN_G when that is at most 64 channels: the reduction is
           one stage, the weights stay resident and blocks are persistent (the
@@ -233,10 +246,19 @@ class GemmFamily(Family):
             resident = not self.flat and ck >= cin_g and kh <= 3
             stage = int(resident and tf32)
             # ... and there 64-channel blocks (32x32 warp tiles, two blocks per SM) beat 128:
-            # case 63 TF32 8.78 ms against 9.12.
-            for b in ((64, bm) if stage and bm == 128 else (bm,)):
-                base = {"block_m": b, "block_k": ck, "warps_m": 2 if b >= 64 else 1, "warps_n": 4,
-                        "stage_out": stage}
+            # case 63 TF32 8.78 ms against 9.12. Better still (first): 128 channels, one block per
+            # SM, input by cp.async (async_x=1), direct stores: 63 TF32 8.33-8.51 ms against
+            # 8.67-8.99 for the 64-channel staged kernel in the same runs (cuDNN 7.10). cp.async lost
+            # everywhere else: 87 TF32 4.81-5.05 vs 4.75, 87 strict 6.68 vs 6.28, 63 strict 15.0 vs
+            # 13.8; async_x=2 (two tiles in flight) was even (63 TF32 8.37) or slower.
+            variants: list[dict[str, int]] = []
+            if stage and bm == 128:
+                variants.append({"block_m": 128, "stage_out": 0, "async_x": 1, "min_blocks": 1})
+            variants += [{"block_m": b, "stage_out": stage, "async_x": 0}
+                         for b in ((64, bm) if stage and bm == 128 else (bm,))]
+            for v in variants:
+                b = v["block_m"]
+                base = {"block_k": ck, "warps_m": 2 if b >= 64 else 1, "warps_n": 4, **v}
                 for bn in bn_list:
                     if self.flat:
                         tiles.append({**base, "block_n": bn})
@@ -256,6 +278,8 @@ class GemmFamily(Family):
             if any(v not in self.tiles[k] for k, v in cand.items()):
                 continue
             lay = self.layout(spec, {**cand, "min_blocks": 1})
+            if cand.get("async_x") and not lay["XASYNC"]:
+                cand["async_x"] = 0  # register-staged input (16-bit words, or weights per stage)
             # Two blocks per SM (one storing while the other computes) when registers allow
             # it without spilling: 65536 registers / (2 * 256 threads) = 128 per thread.
             regs = lay["ACC_PER_THREAD"] + lay["PREFETCH_WORDS"] + REG_OVERHEAD
@@ -264,7 +288,8 @@ class GemmFamily(Family):
             if regs > 240:  # would spill even alone on the SM
                 continue
             fits2 = 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and regs * lay["NTH"] * 2 <= 65536
-            cand["min_blocks"] = 2 if fits2 else 1
+            if "min_blocks" not in cand:  # else as measured
+                cand["min_blocks"] = 2 if fits2 else 1
             try:
                 self.check_tiles(spec, cand)
             except Unsupported:
@@ -278,7 +303,8 @@ _COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "
 pointwise = GemmFamily(
     name="pointwise", template="cuda/pointwise.cu.j2", flat=True,
     tiles={"block_m": (32, 64, 128), "block_n": (32, 64, 128, 256), "block_k": (8, 16, 32, 64, 128),
-           "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8), "min_blocks": (1, 2), "stage_out": (0, 1)},
+           "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8), "min_blocks": (1, 2), "stage_out": (0, 1),
+           "async_x": (0, 1, 2)},
     **_COMMON,
 )
 
@@ -286,7 +312,7 @@ igemm = GemmFamily(
     name="igemm", template="cuda/igemm.cu.j2",
     tiles={"block_m": (32, 64, 128), "tile_p": (1, 2, 4, 8, 16), "tile_q": (8, 16, 32, 64, 128),
            "block_k": (8, 16, 32, 64), "full_kh": (0, 1), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8),
-           "min_blocks": (1, 2), "stage_out": (0, 1)},
+           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1, 2)},
     **_COMMON,
 )
 
