@@ -13,6 +13,8 @@ want() { [[ $stages == *" $1 "* ]]; }
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# The GPU host has torch but no kernelgen install: use this checkout (what `pip install -e .` gives).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-$PWD/.kgcache}
 export KERNELGEN_JOBS=${KERNELGEN_JOBS:-$(nproc)}
 mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
