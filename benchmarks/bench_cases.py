@@ -59,7 +59,7 @@ TARGETS = {
 }
 
 
-def event_ms(fn, warmup: int = 3, reps: int = 15) -> float:
+def event_ms(fn, warmup: int = 10, reps: int = 40) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
