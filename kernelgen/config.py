@@ -16,16 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-
-
-@dataclass(frozen=True)
-class Settings:
-    cache_dir: Path
-    lock_timeout: float
-    jobs: int
-    cuda_home: Path | None
 
 
 def _positive(name: str, text: str, kind: type) -> float | int:
@@ -71,7 +62,3 @@ def cuda_home() -> Path | None:
 
 def host_compiler() -> str:
     return os.environ.get("CXX") or "c++"
-
-
-def settings() -> Settings:
-    return Settings(cache_dir=cache_dir(), lock_timeout=lock_timeout(), jobs=jobs(), cuda_home=cuda_home())
