@@ -3,7 +3,8 @@
 The first call with a given signature (shapes, strides, dtype, device, parameters,
 precision) validates it, chooses a kernel (dispatch.py) and loads or compiles it
 (kernels.py); the resulting plan is memoised, so later calls only allocate the output
-and launch.
+and launch. The outcome is also recorded on disk (plans.py), so the first such call in
+a later process skips validation and dispatch and imports its kernel directly.
 """
 
 from __future__ import annotations
