@@ -180,7 +180,11 @@ COMPILE_GRID = [g for i, g in enumerate(GRID) if i % 5 == 0]  # every MATH/dtype
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("k,stride,dil,groups,dm,bias", COMPILE_GRID)
 def test_compiles_for_sm90a(k, stride, dil, groups, dm, bias, tmp_path):
-    spec = _grid_spec(k, stride, dil, groups, dm, bias)
+    _compile_and_check_sass(_grid_spec(k, stride, dil, groups, dm, bias), tmp_path, ("HMMA",))
+
+
+def _compile_and_check_sass(spec, tmp_path, instructions) -> None:
+    """nvcc the rendered spec for sm_90a; where cuobjdump exists, the SASS must hold `instructions`."""
     src = tmp_path / "k.cu"
     src.write_text(_render(spec))
     obj = tmp_path / "k.o"
@@ -190,7 +194,8 @@ def test_compiles_for_sm90a(k, stride, dil, groups, dm, bias, tmp_path):
     cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(NVCC), "cuobjdump")
     if os.path.exists(cuobjdump):
         sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True).stdout
-        assert "HMMA" in sass
+        for instruction in instructions:
+            assert instruction in sass
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -198,13 +203,4 @@ def test_compiles_for_sm90a(k, stride, dil, groups, dm, bias, tmp_path):
 def test_async_input_compiles(family, k, math, depth, tmp_path):
     spec = _spec(family, 16 if k == 3 else 64, 128, k, math=math, bias=True)
     spec = spec.replace(tiles=dict(spec.tiles, async_x=depth, stage_out=0, min_blocks=1))
-    src = tmp_path / "k.cu"
-    src.write_text(_render(spec))
-    obj = tmp_path / "k.o"
-    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-c", str(src), "-o", str(obj)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(NVCC), "cuobjdump")
-    if os.path.exists(cuobjdump):
-        sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True).stdout
-        assert "LDGSTS" in sass and "HMMA" in sass
+    _compile_and_check_sass(spec, tmp_path, ("LDGSTS", "HMMA"))
