@@ -252,3 +252,23 @@ def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
     third = run()
     assert third["compiles"] == 0 and third["spec_loaded"]
     assert run()["spec_loaded"] is False
+
+
+def test_plan_identity_follows_templates(tmp_path, monkeypatch):
+    import shutil as _shutil
+
+    import kernelgen.plans as plans
+    import kernelgen.render as render_mod
+
+    copy = tmp_path / "templates"
+    _shutil.copytree(render_mod.template_dir(), copy)
+    monkeypatch.setattr(render_mod, "template_dir", lambda: copy)
+    plans.identity.cache_clear()
+    try:
+        before = plans.identity()
+        with open(copy / "cuda" / "direct.cu.j2", "a") as f:
+            f.write("// an edit\n")
+        plans.identity.cache_clear()
+        assert plans.identity() != before  # an edited template means every record misses
+    finally:
+        plans.identity.cache_clear()
