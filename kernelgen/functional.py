@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 
 from . import plans
-from .kernels import count, load_entry, load_kernel
+from .kernels import count, load_entry, load_kernel, workspace_bytes
 from .precision import check_override, torch_fp32_conv_math
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ class Plan:
     pointers and the stream, and launches.
     """
 
-    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_contig", "b_contig", "args", "key")
+    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_contig", "b_contig", "args", "key", "ws")
 
-    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_contig, b_contig, args, key):
+    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_contig, b_contig, args, key, ws=0):
         self.launch = launch  # None: nothing to compute (an empty batch, or meta tensors)
         self.out_shape = out_shape  # 4-D
         self.fmt = fmt
@@ -50,6 +50,7 @@ class Plan:
         self.b_contig = b_contig
         self.args = args  # N, H, W, P, Q, input strides, output strides, device index
         self.key = key
+        self.ws = ws  # bytes of device scratch the kernel takes, allocated per call on its stream
 
 
 _plans: dict[Any, Plan] = {}
@@ -268,7 +269,7 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     ys = torch.empty((N, K, P, Q), dtype=input.dtype, device="meta", memory_format=fmt).stride()
     dev = input.device.index if input.is_cuda else -1
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, weight.is_contiguous(),
-                bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, dev), key)
+                bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, dev), key, workspace_bytes(key))
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -286,7 +287,11 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             stream = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
         else:
             stream = 0
-        plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream)
+        if plan.ws:  # the caching allocator hands it out on this stream: reuse stays stream-ordered
+            ws = torch.empty(plan.ws, dtype=torch.uint8, device=input.device)
+            plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream, ws.data_ptr())
+        else:
+            plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream, 0)
     return y.squeeze(0) if plan.squeeze else y
 
 

@@ -26,6 +26,7 @@ log = logging.getLogger("kernelgen")
 _lock = threading.RLock()
 _memo: dict[tuple["ConvSpec", "Toolchain"], tuple[Launch, str]] = {}
 _by_key: dict[str, Launch] = {}
+_workspace: dict[str, int] = {}  # key -> bytes of device scratch its launch takes (KG_WORKSPACE)
 _caches: dict[str, "Cache"] = {}
 _stats: Counter = Counter()
 
@@ -60,6 +61,7 @@ def load_kernel(spec: "ConvSpec", toolchain: "Toolchain", cache: "Cache | None" 
                 _stats["cache_hits"] += 1
             hit = _memo[memo_key] = (module.launch, key)
             _by_key.setdefault(key, module.launch)
+            _workspace[key] = int(getattr(module, "KG_WORKSPACE", 0))
     return hit
 
 
@@ -81,13 +83,20 @@ def load_entry(key: str, cache: "Cache | None" = None, expect: dict | None = Non
         if fn is None:
             try:
                 cache.ensure()
-                fn = cache.load(key, toolchain=None, expect=expect).launch
+                module = cache.load(key, toolchain=None, expect=expect)
+                fn = module.launch
             except (FileNotFoundError, InvalidEntry) as exc:
                 log.debug("kernelgen: plan record names entry %s, which is not usable (%s)", key[:16], exc)
                 return None
             _stats["cache_hits"] += 1
             _by_key[key] = fn
+            _workspace[key] = int(getattr(module, "KG_WORKSPACE", 0))
     return fn
+
+
+def workspace_bytes(key: str) -> int:
+    """Bytes of device scratch memory the loaded kernel `key` takes per launch (0: none)."""
+    return _workspace.get(key, 0)
 
 
 def count(name: str, n: int = 1) -> None:
@@ -106,4 +115,5 @@ def clear_memo() -> None:
     with _lock:
         _memo.clear()
         _by_key.clear()
+        _workspace.clear()
         _caches.clear()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the spec module is only needed once something is rendered
     from .spec import ConvSpec
 
 # Bump when the binding's calling convention changes; part of every key.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class Rendered:

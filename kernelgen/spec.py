@@ -245,6 +245,7 @@ class ConvSpec:
             "KH": kh, "KW": kw, "SH": sh, "SW": sw, "DH": dh, "DW": dw,
             "PH": self.padding[0], "PW": self.padding[2],
             "HAS_BIAS": self.bias, "LAYOUT": self.layout,
+            "WORKSPACE_BYTES": 0,  # a family that needs device scratch memory says how much
         }
         ctx.update({name.upper(): value for name, value in self.tiles})
         ctx.update(get_family(self.family).context(self))
