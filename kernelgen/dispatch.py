@@ -4,11 +4,16 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
 
 1. depthwise: groups == in_channels (any channel multiplier). A bandwidth-bound
    stencil; the tensor-core GEMMs would run at K = kh*kw, far too thin to pay.
-2. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
+2. wgmma (sm_90a only): float32 with TF32 allowed, bf16 and fp16, column stride 1, at
+   least 64 output channels per group, one full wgmma k-step of input channels per
+   group (8 float32, 16 bf16/fp16) and a long reduction (CIN_G*KH*KW >= 256):
+   Hopper's warpgroup MMA reads both operands from shared memory, which mma.sync
+   cannot; compute-bound shapes gain most.
+3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
-3. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
+4. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
    reduction (CIN_G*KH*KW) is long enough to feed tensor cores.
-4. direct: everything else (tiny channel counts, float64, strided layouts the fast
+5. direct: everything else (tiny channel counts, float64, strided layouts the fast
    families do not take). It honours arbitrary strides, so it never copies.
 
 Layout: the output's memory format follows F.conv2d (channels_last if the input or
@@ -31,7 +36,7 @@ from .errors import ConvArgumentError, Unsupported
 from .families import get_family
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise", "pointwise", "igemm", "direct")
+CUDA_ORDER = ("depthwise", "wgmma", "pointwise", "igemm", "direct")
 CPU_ORDER = ("cpu_direct",)
 
 
@@ -92,4 +97,11 @@ def _worth_it(name: str, spec: ConvSpec) -> bool:
         return spec.cin_per_group >= 8
     if name == "igemm":
         return spec.cin_per_group >= 4
+    if name == "wgmma":
+        kh, kw = spec.kernel_size
+        # Compute-bound reductions only: on the memory-bound cases (63: 16x3x3, 87: 64x1x1) it
+        # measured slower than igemm / pointwise (H100: 63 TF32 10.3 ms vs 8.5, 87 TF32 9.1 vs 4.8),
+        # while on case 56 (64x5x7) it beat them by 2.2-3.6x.
+        return (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
+                and spec.cin_per_group * kh * kw >= 256)
     return True

@@ -164,8 +164,20 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
     if call.N == 0 or device == "meta":
         return None, call
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
-    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q)
+    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, arch=_target_arch(input, device))
     return dispatch.choose(params, device, problem, call.channels_last, math, family=family, tiles=tiles), call
+
+
+def _target_arch(input: torch.Tensor, device: str) -> str:
+    """The CUDA target a plan is for: the input's GPU, else (meta planning, e.g. `kernelgen
+    warm`) the current GPU's; '' on CPU or when no GPU is visible."""
+    if device != "cuda":
+        return ""
+    if input.is_cuda:
+        return _cuda_arch(input.device.index)
+    if torch.cuda.is_available():
+        return _cuda_arch(torch.cuda.current_device())
+    return ""
 
 
 def _signature_json(sig: tuple, arch: str) -> list:

@@ -87,13 +87,15 @@ def resolve_padding(padding: Any, kernel: tuple[int, int], stride: tuple[int, in
 
 @dataclass(frozen=True)
 class Problem:
-    """Runtime sizes of one call: batch, input height/width, output height/width."""
+    """Runtime sizes of one call: batch, input height/width, output height/width, and the
+    target the kernel will run on ('sm_90a', ...; '' when unknown or not CUDA)."""
 
     N: int
     H: int
     W: int
     P: int
     Q: int
+    arch: str = ""
 
 
 @dataclass(frozen=True)

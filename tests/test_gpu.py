@@ -101,7 +101,35 @@ def make_cases(n: int, seed: int = 1234) -> list[Case]:
     return cases
 
 
-CASES = make_cases(N_CASES)
+def make_wgmma_cases(n: int, seed: int = 4321) -> list[Case]:
+    """Calls forced onto the `wgmma` family (Hopper only), which the dispatcher keeps for long
+    reductions: every dtype it serves, padding, dilation, row stride, groups, bias, odd
+    sizes, unbatched input and strided views (it honours input strides)."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        groups = rng.choice([1, 1, 1, 2])
+        C = groups * rng.choice([8, 16, 24, 32, 64])
+        K = groups * rng.choice([64, 80, 128, 192])
+        kernel = rng.choice([(1, 1), (3, 3), (5, 7), (2, 4), (3, 1), (1, 5), (7, 7)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 1), (3, 1)])
+        dilation = rng.choice([(1, 1), (1, 1), (2, 2), (1, 3)])
+        padding = rng.choice([0, 1, (2, 0), "valid"] + (["same"] if stride == (1, 1) else []))
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        if dtype == "float16" or dtype == "bfloat16":
+            C = groups * rng.choice([16, 32, 48, 64])
+        precision = "tf32" if dtype == "float32" else None
+        layout = rng.choice(["contiguous", "contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2, 3])
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H, W = max(rng.randint(5, 70), eh), max(rng.randint(5, 300), ew)
+        cases.append(Case(1000 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
+                          dtype, precision, layout, H, W, "wgmma"))
+    return cases
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+CASES = make_cases(N_CASES) + (make_wgmma_cases(48) if HOPPER else [])
 
 
 def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
@@ -240,6 +268,38 @@ def test_cuda_graph_capture_and_replay():
         assert rel_err(y, ref) <= 1e-5
 
 
+@pytest.mark.skipif(not HOPPER, reason="wgmma needs a compute-capability 9.0 GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wgmma_graph_capture_and_side_stream(dtype):
+    """The wgmma family allocates its packed-weight workspace per call: it must be capturable
+    and follow the current stream like every other family."""
+    x = torch.randn(2, 32, 20, 70, device="cuda", dtype=dtype)
+    w = torch.randn(128, 32, 3, 5, device="cuda", dtype=dtype)
+    b = torch.randn(128, device="cuda", dtype=dtype)
+    kw = dict(padding=1, family="wgmma", precision="tf32" if dtype == torch.float32 else None)
+    tol = 5e-3 if dtype == torch.float32 else 2e-2
+    for _ in range(2):
+        kernelgen.conv2d(x, w, b, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernelgen.conv2d(x, w, b, **kw)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        w.copy_(torch.randn_like(w))  # weights are repacked on every replay
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, F.conv2d(x.double(), w.double(), b.double(), padding=1)) <= tol
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y2 = kernelgen.conv2d(x, w, b, **kw)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    assert rel_err(y2, F.conv2d(x.double(), w.double(), b.double(), padding=1)) <= tol
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
 def test_second_device():
     x = torch.randn(2, 8, 24, 24, device="cuda:1")
@@ -271,6 +331,11 @@ MEMCHECK = textwrap.dedent("""
         if "igemm" in fams:
             run("igemm", dtype, (2, 16, 19, 24), (40, 16, 3, 3), padding=1)
             run("igemm", dtype, (2, 16, 19, 24), (24, 16, 5, 7), stride=(2, 1))
+        if "wgmma" in fams and torch.cuda.get_device_capability() == (9, 0):
+            prec = dict(precision="tf32") if dtype == torch.float32 else {{}}
+            run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, **prec)
+            run("wgmma", dtype, (2, 48, 13, 40), (128, 48, 5, 7), stride=(2, 1), padding=(2, 0), **prec)
+            run("wgmma", dtype, (2, 64, 9, 33), (192, 32, 1, 1), groups=2, **prec)
     torch.cuda.synchronize()
     print("memcheck script done")
 """)

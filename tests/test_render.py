@@ -149,7 +149,7 @@ def _grid(family, n: int, seed: int = 0) -> list[ConvSpec]:
         except (Unsupported, ValueError):
             continue
         P, Q = spec.output_size(37, 45)
-        problem = Problem(N=2, H=37, W=45, P=P, Q=Q)
+        problem = Problem(N=2, H=37, W=45, P=P, Q=Q, arch="sm_90a")
         tiles = family.default_tiles(spec, problem)
         if len(out) % 2 and family.tiles:  # every other spec: a random legal tile choice
             tiles = {name: rng.choice(values) for name, values in family.tiles.items()}

@@ -1,0 +1,165 @@
+"""`wgmma`: dense and grouped convolution in NCHW on Hopper's warpgroup MMA (sm_90a).
+
+Per image and group, the implicit GEMM D[COUT_G x pixels] = W[COUT_G x K] . im2col[K x pixels]
+runs as `wgmma.mma_async` with both operands read by the tensor cores straight from shared
+memory (templates/cuda/wgmma.cu.j2): TF32 for float32 when TF32 is allowed, bf16/fp16 with
+float32 accumulation. Strict float32 stays with `igemm`/`pointwise` (3xTF32).
+
+A block is BLOCK_M output channels (one warpgroup of 128 threads per 64) x a TILE_P x TILE_Q
+patch of output pixels; each warpgroup issues one m64 x TILE_Q wgmma per output row and k-step.
+The input halo sits in shared memory as 16-byte rows of CPV consecutive channels (4 float32,
+8 bf16/fp16) per pixel, so the im2col operand of kernel tap (r, s) is a descriptor into the
+halo moved by (r, s) pixels: no im2col copy. That needs a column stride of 1.
+
+A stage holds BLOCK_K input channels and all kernel rows (full_kh=1) or one; stages run
+through a ring of `nbuf` shared-memory slots, `nbuf - 2` ahead of the MMAs. When one stage
+covers the whole reduction and there is one weight slice, the weights stay resident and the
+ring holds only input halos. The weights are repacked once per call into the workspace, in
+shared-memory order and TF32-rounded, so a stage copies them with 16-byte cp.async.
+
+Layout constants come from `layout()`, the one place `check_tiles` and the template take
+them from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import Unsupported
+from .base import Family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+SMEM_LIMIT = 227 * 1024  # per block, opt-in (H100)
+SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
+# Registers a thread may need: accumulators + staged input rows + this much for addresses.
+REG_OVERHEAD = 48
+MAX_REGS = 255
+ARCHS = ("sm_90a",)
+_WG_TYPE = {"float32": "tf32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class WgmmaFamily(Family):
+    def layout(self, spec: "ConvSpec", tiles: Mapping[str, int] | None = None) -> dict[str, object]:
+        """Derived compile-time constants (UPPERCASE, as the template receives them)."""
+        t = dict(spec.tiles if tiles is None else tiles)
+        (kh, kw), (sh, _sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
+        cpv = 4 if spec.dtype == "float32" else 8  # channels per 16-byte shared-memory row
+        bm, tp, tq, ck = t["block_m"], t["tile_p"], t["tile_q"], t["block_k"]
+        kr = kh if t["full_kh"] else 1
+        nch = ck // cpv
+        cch = _ceil(spec.cin_per_group, ck)
+        spt = cch * (kh // kr)
+        mb = _ceil(spec.cout_per_group, bm)
+        wres = spt == 1 and spec.groups * mb == 1
+        xr = (tp - 1) * sh + (kr - 1) * dh + 1
+        xq = tq + (kw - 1) * dw
+        xvec = nch * xr * xq
+        wvec = kr * kw * nch * bm
+        nbuf = t["nbuf"]
+        slot = (0 if wres else wvec) + xvec
+        smem = 16 * ((wvec if wres else 0) + nbuf * slot)
+        nth = 128 * (bm // 64)
+        xpt = _ceil(xvec, nth)
+        return {
+            "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
+            "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
+            "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "SMEM_BYTES": smem, "MINB": t["min_blocks"],
+            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec, "WG_TYPE": _WG_TYPE[spec.dtype],
+            "REGS": tp * tq // 2 + 4 * xpt + REG_OVERHEAD,
+        }
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        lay = self.layout(spec)
+        return {k: v for k, v in lay.items() if k != "REGS"}
+
+    # -- what can be served --------------------------------------------------------
+    def check_shape(self, spec: "ConvSpec") -> None:
+        if spec.stride[1] != 1:
+            raise Unsupported(f"wgmma needs a column stride of 1 (got stride {spec.stride}); use igemm")
+        if spec.dtype == "float32" and spec.math != "tf32":
+            raise Unsupported("wgmma computes float32 with TF32 only; strict float32 uses igemm (3xTF32)")
+        if spec.out_channels * spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1] >= 2**31:
+            raise Unsupported("weights with 2^31 or more elements")
+        if spec.tiles:
+            self.check_tiles(spec, dict(spec.tiles))
+
+    def check_tiles(self, spec: "ConvSpec", t: Mapping[str, int]) -> None:
+        """Raise Unsupported if tiles `t` cannot compute `spec` (shared memory, registers)."""
+        lay = self.layout(spec, t)
+        cpv = lay["CPV"]
+        if t["block_k"] % (2 * cpv):
+            raise Unsupported(f"block_k={t['block_k']} must be a multiple of {2 * cpv} for {spec.dtype} "
+                              f"(one wgmma k-step: two 16-byte chunks)")
+        if spec.kernel_size[0] % lay["KR"]:
+            raise Unsupported("kernel rows per stage must divide the kernel height")
+        if t["tile_p"] * t["tile_q"] > 256:
+            raise Unsupported(f"a {t['tile_p']}x{t['tile_q']} pixel tile holds more than 128 accumulators "
+                              f"per thread")
+        if lay["XR"] * lay["XQ"] * 16 >= 1 << 18:
+            raise Unsupported("the input halo is too large for a wgmma descriptor offset")
+        if lay["SMEM_BYTES"] > SMEM_LIMIT:
+            raise Unsupported(f"tiles need {lay['SMEM_BYTES']} bytes of shared memory (> {SMEM_LIMIT}); "
+                              f"shrink block_k, nbuf or the pixel tile")
+        if t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
+            raise Unsupported(f"min_blocks={t['min_blocks']} blocks of {lay['SMEM_BYTES']} bytes of shared "
+                              f"memory do not fit one SM")
+        if lay["REGS"] > MAX_REGS or t["min_blocks"] * lay["NTH"] * min(lay["REGS"], MAX_REGS) > 65536:
+            raise Unsupported(f"tiles need about {lay['REGS']} registers per thread; shrink the pixel tile "
+                              f"or block_k")
+
+    # -- heuristics -------------------------------------------------------------------
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem") -> dict[str, int]:
+        """Tiles for a problem shape.
+
+        - Only on sm_90a (wgmma is Hopper's); elsewhere this family declines.
+        - block_m: 128 (two warpgroups sharing every staged input row) above 64 output
+          channels per group, else 64.
+        - tile_q: 128 output columns (the wgmma N), 64 for rows of 64 or fewer.
+        - The reduction: first the whole of CIN_G and all kernel rows in one stage (weights
+          resident, blocks persistent over tiles: the memory-bound 1x1 and small-CIN k x k
+          cases), else two chunks (8 float32 / 16 bf16 channels) with all kernel rows, else
+          with one kernel row per stage (large kernels: 5x7 weights for 8 channels are 143 KB).
+        - tile_p: 2 output rows (256 pixels: each staged weight feeds twice the MMAs), else 1.
+        - nbuf: 4 slots (two stages ahead of the MMAs), else 3.
+        The first candidate that passes check_tiles wins.
+        """
+        if problem.arch not in ARCHS:
+            raise Unsupported(f"wgmma needs {' or '.join(ARCHS)} (target {problem.arch or 'unknown'})")
+        cpv = 4 if spec.dtype == "float32" else 8
+        kstep = 2 * cpv
+        bm = 128 if spec.cout_per_group > 64 else 64
+        tq = 128 if problem.Q > 64 else 64
+        full_ck = _ceil(spec.cin_per_group, kstep) * kstep
+        reductions = [(full_ck, 1)] + [(kstep, full) for full in (1, 0) if kstep < full_ck or full == 0]
+        for ck, full in dict.fromkeys(reductions):
+            if ck > 128:
+                continue
+            for tp in (2, 1):
+                for nbuf in (4, 3):
+                    cand = {"block_m": bm, "tile_p": tp, "tile_q": tq, "block_k": ck, "full_kh": full,
+                            "nbuf": nbuf, "min_blocks": 1}
+                    try:
+                        self.check_tiles(spec, cand)
+                    except Unsupported:
+                        continue
+                    return cand
+        raise Unsupported(f"wgmma: no tile configuration fits {spec.summary()}")
+
+
+wgmma = WgmmaFamily(
+    name="wgmma", template="cuda/wgmma.cu.j2", device="cuda", layouts=("nchw",),
+    dtypes=("float32", "float16", "bfloat16"), tf32=True,
+    tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
+           "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": (3, 4, 5, 6),
+           "min_blocks": (1, 2)},
+)
+
+FAMILIES = (wgmma,)

@@ -1,0 +1,118 @@
+"""CPU-tier tests of the `wgmma` family (Hopper warpgroup MMA): no GPU needed.
+
+What they cover: which specs and targets it accepts, where the dispatcher sends it, that
+its layout constants agree with each other, that default tiles fit the SM, and (with nvcc)
+that the rendered CUDA lowers to wgmma.mma_async with no spills and no serialised wgmma.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernelgen import dispatch
+from kernelgen.errors import Unsupported
+from kernelgen.families import get_family
+from kernelgen.families.wgmma import SMEM_LIMIT
+from kernelgen.render import render
+from kernelgen.spec import ConvSpec, Problem
+from kernelgen.toolchain import CUDA_CFLAGS_BASE
+
+FAM = get_family("wgmma")
+
+# The KernelBench cases the family is for, and the two memory-bound ones it can also serve.
+CASES = {
+    "56": dict(x=(8, 64, 512, 256), w=(128, 64, 5, 7)),
+    "63": dict(x=(16, 16, 1024, 1024), w=(128, 16, 3, 3)),
+    "87": dict(x=(16, 64, 1024, 1024), w=(128, 64, 1, 1)),
+}
+
+
+def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, groups=1, arch="sm_90a", family=None):
+    params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
+                  dilation=1, groups=groups, dtype=dtype, bias=False)
+    probe = ConvSpec(**params)
+    P, Q = probe.output_size(x[2], x[3])
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
+    return dispatch.choose(params, "cuda", problem, False, math if dtype == "float32" else "ieee", family=family)
+
+
+def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
+    assert _choose(**CASES["56"]).family == "wgmma"
+    assert _choose(**CASES["56"], dtype="bfloat16").family == "wgmma"
+    assert _choose(**CASES["56"], arch="sm_80").family == "igemm"
+    assert _choose(**CASES["56"], arch="").family == "igemm"
+    # Strict float32 stays with 3xTF32 mma.sync; a column stride other than 1 cannot use the halo trick.
+    assert _choose(**CASES["56"], math="ieee").family == "igemm"
+    assert _choose(**CASES["56"], stride=(1, 2)).family == "igemm"
+
+
+def test_refusals_say_why():
+    with pytest.raises(Exception, match="sm_90a"):
+        _choose(**CASES["56"], arch="sm_80", family="wgmma")
+    with pytest.raises(Exception, match="column stride"):
+        _choose(**CASES["56"], stride=(1, 2), family="wgmma")
+    with pytest.raises(Exception, match="TF32"):
+        _choose(**CASES["56"], math="ieee", family="wgmma")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_forced_tiles_fit_and_layout_agrees(case, dtype):
+    spec = _choose(**CASES[case], dtype=dtype, family="wgmma")
+    lay = FAM.layout(spec)
+    assert lay["SMEM_BYTES"] <= SMEM_LIMIT
+    # Shared memory: resident weights (or none) plus the ring of stage slots, 16-byte rows.
+    slot = (0 if lay["WRES"] else lay["WVEC"]) + lay["XVEC"]
+    assert lay["SMEM_BYTES"] == 16 * ((lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot)
+    # The workspace holds every weight, padded to whole stages and m-blocks.
+    cin_g, cout = spec.cin_per_group, spec.out_channels
+    kh, kw = spec.kernel_size
+    esize = 4 if dtype == "float32" else 2
+    assert lay["WORKSPACE_BYTES"] >= cout * cin_g * kh * kw * esize
+    assert lay["WORKSPACE_BYTES"] == 16 * spec.groups * lay["MB"] * lay["SPT"] * lay["WVEC"]
+    assert lay["CK"] % (2 * lay["CPV"]) == 0 and lay["CK"] * esize == 16 * lay["NCH"]
+
+
+def test_tile_checks_name_the_problem():
+    spec = _choose(**CASES["56"], family="wgmma")
+    t = dict(spec.tiles)
+    with pytest.raises(Unsupported, match="block_k"):
+        FAM.check_tiles(spec, {**t, "block_k": 12})
+    with pytest.raises(Unsupported, match="shared memory"):
+        FAM.check_tiles(spec, {**t, "block_k": 64, "full_kh": 1})
+    with pytest.raises(Unsupported, match="accumulators"):
+        FAM.check_tiles(spec, {**t, "tile_p": 4, "tile_q": 128})
+
+
+NVCC = shutil.which("nvcc")
+WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "float16": "k16.f32.f16.f16"}
+
+
+@pytest.mark.nvcc
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("case,dtype", [("56", "float32"), ("56", "bfloat16"), ("63", "float16"), ("87", "float32")])
+def test_lowers_to_wgmma_without_spills(case, dtype, tmp_path):
+    spec = _choose(**CASES[case], dtype=dtype, family="wgmma")
+    src = tmp_path / "k.cu"
+    src.write_text(render(spec).cuda)
+    ptx = tmp_path / "k.ptx"
+    r = subprocess.run([NVCC, *CUDA_CFLAGS_BASE, "-arch=sm_90a", "-ptx", str(src), "-o", str(ptx)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = ptx.read_text()
+    tq = dict(spec.tiles)["tile_q"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{tq}{WG_TYPE[dtype]}" in text
+    ptxas = shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = r.stdout + r.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in report and " bytes spill stores" not in \
+        report.replace("0 bytes spill stores", ""), report
+    # ptxas says so when it must serialise wgmma (accumulators touched while one is in flight).
+    assert "serializ" not in report.lower(), report
