@@ -6,7 +6,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    stencil; the tensor-core GEMMs would run at K = kh*kw, far too thin to pay.
 2. wgmma (sm_90a only): float32 with TF32 allowed, bf16 and fp16, column stride 1, at
    least 64 output channels per group, one full wgmma k-step of input channels per
-   group (8 float32, 16 bf16/fp16) and a long reduction (CIN_G*KH*KW >= 256):
+   group (8 float32, 16 bf16/fp16) and a long reduction (CIN_G*KH*KW >= 256 float32,
+   >= 128 bf16/fp16):
    Hopper's warpgroup MMA reads both operands from shared memory, which mma.sync
    cannot; compute-bound shapes gain most.
 3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
@@ -99,9 +100,10 @@ def _worth_it(name: str, spec: ConvSpec) -> bool:
         return spec.cin_per_group >= 4
     if name == "wgmma":
         kh, kw = spec.kernel_size
-        # Compute-bound reductions only: on the memory-bound cases (63: 16x3x3, 87: 64x1x1) it
-        # measured slower than igemm / pointwise (H100: 63 TF32 10.3 ms vs 8.5, 87 TF32 9.1 vs 4.8),
-        # while on case 56 (64x5x7) it beat them by 2.2-3.6x.
+        # Long reductions only. H100: case 56 (64x5x7) TF32 2.72 ms vs igemm 7.23, bf16 1.36 vs
+        # 5.67; case 63 (16x3x3) bf16 7.98 vs igemm 9.44, but TF32 9.5 vs 8.5; case 87 (64x1x1)
+        # TF32 9.1 vs pointwise 4.7, bf16 4.8 vs 3.1.
+        long_k = 256 if spec.dtype == "float32" else 128
         return (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
-                and spec.cin_per_group * kh * kw >= 256)
+                and spec.cin_per_group * kh * kw >= long_k)
     return True
