@@ -46,6 +46,7 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     assert _choose(**CASES["63"], dtype="bfloat16").family == "wgmma"
     assert _choose(**CASES["63"]).family == "igemm"  # TF32 63 measured faster on mma.sync
     assert _choose(**CASES["87"]).family == "pointwise"
+    assert _choose(**CASES["56"], dtype="float64", math="ieee").family == "direct"
     assert _choose(**CASES["56"], arch="sm_80").family == "igemm"
     assert _choose(**CASES["56"], arch="").family == "igemm"
     # Strict float32 stays with 3xTF32 mma.sync; a column stride other than 1 cannot use the halo trick.

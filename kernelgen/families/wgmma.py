@@ -72,7 +72,7 @@ class WgmmaFamily(Family):
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "SMEM_BYTES": smem, "MINB": t["min_blocks"],
-            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec, "WG_TYPE": _WG_TYPE[spec.dtype],
+            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec, "WG_TYPE": _WG_TYPE.get(spec.dtype, "none"),
             "REGS": tp * tq // 2 + 4 * xpt + REG_OVERHEAD,
         }
 
@@ -135,6 +135,8 @@ class WgmmaFamily(Family):
         """
         if problem.arch not in ARCHS:
             raise Unsupported(f"wgmma needs {' or '.join(ARCHS)} (target {problem.arch or 'unknown'})")
+        if spec.dtype not in self.dtypes:  # the dispatcher asks for tiles before the family's check
+            raise Unsupported(f"wgmma does not serve dtype {spec.dtype}")
         cpv = 4 if spec.dtype == "float32" else 8
         kstep = 2 * cpv
         bm = 128 if spec.cout_per_group > 64 else 64
