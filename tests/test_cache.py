@@ -232,7 +232,8 @@ WARM_CHILD = textwrap.dedent("""
     x = torch.randn(2, 3, 11, 11); w = torch.randn(5, 3, 3, 3)
     y = kernelgen.conv2d(x, w, padding=1)
     print(json.dumps(dict(kernelgen.stats(), spec_loaded="kernelgen.spec" in sys.modules,
-                          jinja_loaded="jinja2" in sys.modules)))
+                          jinja_loaded="jinja2" in sys.modules,
+                          modules=sorted(m for m in sys.modules if m.startswith("kernelgen")))))
 """)
 
 
@@ -246,6 +247,10 @@ def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
     second = run()
     assert second["compiles"] == 0 and second["cache_hits"] == 1
     assert not second["spec_loaded"] and not second["jinja_loaded"]
+    # nor anything else that only a miss needs: every module imported adds to a warm start
+    needless = {"kernelgen." + m for m in ("spec", "checks", "dispatch", "families", "toolchain", "build", "errors",
+                                           "nn", "warm", "cli", "cache_admin")}
+    assert not needless & set(second["modules"]), second["modules"]
     # a damaged record is ignored (and rewritten) rather than trusted
     for record in (root / "plans").glob("*.json"):
         record.write_text('{"format": 1, "key": "0000", "call": [], "prep": "nope"}')
