@@ -160,12 +160,17 @@ class Cache:
         if self._checked:
             return
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except PermissionError:
-            if not self.root.is_dir():
-                raise _cache_error(f"cannot create the kernelgen cache directory {self.root}; "
-                                   f"set KERNELGEN_CACHE_DIR to a directory you can write") from None
-        st = self.root.stat()
+            st = os.stat(self.root)
+        except OSError:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except PermissionError:
+                if not self.root.is_dir():
+                    raise _cache_error(f"cannot create the kernelgen cache directory {self.root}; "
+                                       f"set KERNELGEN_CACHE_DIR to a directory you can write") from None
+            st = self.root.stat()
+        if not stat.S_ISDIR(st.st_mode):
+            self.root.mkdir(exist_ok=True)  # raises FileExistsError, naming the path
         if st.st_uid not in (os.getuid(), 0):
             raise _cache_error(f"the kernelgen cache directory {self.root} is owned by uid {st.st_uid}, not by you "
                                f"(uid {os.getuid()}); loading code from it would run another user's binaries. "
@@ -176,8 +181,13 @@ class Cache:
                                f"KERNELGEN_CACHE_DIR to a private directory.")
         self.writable = os.access(self.root, os.W_OK)
         if self.writable:
+            # One directory listing instead of five mkdir calls that fail with EEXIST:
+            # this runs in every process's first call.
+            with os.scandir(self.root) as it:
+                present = {e.name for e in it if e.is_dir()}
             for sub in ("entries", "index", "staging", "locks", "failed"):
-                (self.root / sub).mkdir(exist_ok=True, mode=0o700)
+                if sub not in present:
+                    (self.root / sub).mkdir(exist_ok=True, mode=0o700)  # a file of that name raises
         self._checked = True
 
     def entry_dir(self, key: str) -> Path:

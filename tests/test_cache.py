@@ -204,6 +204,24 @@ def test_new_directory_is_private(tmp_path):
     assert (root.stat().st_mode & 0o777) == 0o700
 
 
+def test_missing_subdirectories_are_recreated(tmp_path):
+    root = tmp_path / "cache"
+    Cache(root).ensure()
+    (root / "locks").rmdir()
+    Cache(root).ensure()
+    assert (root / "locks").is_dir() and (root / "locks").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_file_where_the_cache_belongs_is_an_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError):
+        Cache(tmp_path / "file").ensure()
+    (tmp_path / "cache").mkdir(mode=0o700)
+    (tmp_path / "cache" / "entries").write_text("")
+    with pytest.raises(FileExistsError):
+        Cache(tmp_path / "cache").ensure()
+
+
 def test_lock_timeout_names_the_lock_file(tmp_path):
     root = tmp_path / "cache"
     holder = Cache(root)
