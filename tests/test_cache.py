@@ -23,6 +23,7 @@ import kernelgen
 import kernelgen.cache as cache_mod
 import kernelgen.functional as functional
 import kernelgen.kernels as kernels
+import kernelgen.toolchain  # noqa: F401 (the tests name kernelgen.toolchain.current)
 from kernelgen.cache import Cache
 from kernelgen.errors import CacheError
 
