@@ -9,19 +9,28 @@ cached on disk (KERNELGEN_CACHE_DIR, default ~/.cache/kernelgen).
 """
 
 from ._version import __version__
-from .errors import CacheError, CompileError, ConvArgumentError, KernelgenError, Unsupported
 from .functional import conv2d
 from .kernels import stats
-from .nn import Conv2d
+
+# Imported on first access rather than here: a process whose calls are all served from
+# the cache needs none of these modules, and each one costs import time (issue 2).
+_LAZY = {"ConvSpec": "spec", "Conv2d": "nn", "KernelgenError": "errors", "ConvArgumentError": "errors",
+         "CompileError": "errors", "CacheError": "errors", "Unsupported": "errors"}
 
 
 def __getattr__(name):
-    # The spec module is only needed once a call misses the plan records: keep imports light.
-    if name == "ConvSpec":
-        from .spec import ConvSpec
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernelgen' has no attribute {name!r}")
+    import importlib
 
-        return ConvSpec
-    raise AttributeError(f"module 'kernelgen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "stats", "KernelgenError", "ConvArgumentError",

@@ -38,11 +38,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import config
-from .build import Built, build, so_name
-from .errors import CacheError
 from .render import ABI_VERSION, Rendered, render, template_dir, template_digest
 
 if TYPE_CHECKING:
+    from .build import Built
     from .spec import ConvSpec
     from .toolchain import Toolchain
 
@@ -123,6 +122,19 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _cache_error(message: str) -> Exception:
+    from .errors import CacheError  # imported here: a process served from the cache never raises it
+
+    return CacheError(message)
+
+
+def build(rendered: Rendered, toolchain: Toolchain, name: str, directory: Path) -> Built:
+    """kernelgen.build.build, imported when first needed: a process served from the cache never builds."""
+    from . import build as builder
+
+    return builder.build(rendered, toolchain, name, directory)
+
+
 def _import_so(name: str, path: Path) -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
@@ -148,24 +160,34 @@ class Cache:
         if self._checked:
             return
         try:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except PermissionError:
-            if not self.root.is_dir():
-                raise CacheError(f"cannot create the kernelgen cache directory {self.root}; "
-                                 f"set KERNELGEN_CACHE_DIR to a directory you can write") from None
-        st = self.root.stat()
+            st = os.stat(self.root)
+        except OSError:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except PermissionError:
+                if not self.root.is_dir():
+                    raise _cache_error(f"cannot create the kernelgen cache directory {self.root}; "
+                                       f"set KERNELGEN_CACHE_DIR to a directory you can write") from None
+            st = self.root.stat()
+        if not stat.S_ISDIR(st.st_mode):
+            self.root.mkdir(exist_ok=True)  # raises FileExistsError, naming the path
         if st.st_uid not in (os.getuid(), 0):
-            raise CacheError(f"the kernelgen cache directory {self.root} is owned by uid {st.st_uid}, not by you "
-                             f"(uid {os.getuid()}); loading code from it would run another user's binaries. "
-                             f"Set KERNELGEN_CACHE_DIR to a directory of your own.")
+            raise _cache_error(f"the kernelgen cache directory {self.root} is owned by uid {st.st_uid}, not by you "
+                               f"(uid {os.getuid()}); loading code from it would run another user's binaries. "
+                               f"Set KERNELGEN_CACHE_DIR to a directory of your own.")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise CacheError(f"the kernelgen cache directory {self.root} is writable by other users "
-                             f"(mode {stat.filemode(st.st_mode)}); run `chmod 700 {self.root}` or set "
-                             f"KERNELGEN_CACHE_DIR to a private directory.")
+            raise _cache_error(f"the kernelgen cache directory {self.root} is writable by other users "
+                               f"(mode {stat.filemode(st.st_mode)}); run `chmod 700 {self.root}` or set "
+                               f"KERNELGEN_CACHE_DIR to a private directory.")
         self.writable = os.access(self.root, os.W_OK)
         if self.writable:
+            # One directory listing instead of five mkdir calls that fail with EEXIST:
+            # this runs in every process's first call.
+            with os.scandir(self.root) as it:
+                present = {e.name for e in it if e.is_dir()}
             for sub in ("entries", "index", "staging", "locks", "failed"):
-                (self.root / sub).mkdir(exist_ok=True, mode=0o700)
+                if sub not in present:
+                    (self.root / sub).mkdir(exist_ok=True, mode=0o700)  # a file of that name raises
         self._checked = True
 
     def entry_dir(self, key: str) -> Path:
@@ -281,9 +303,9 @@ class Cache:
                     if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                         raise
                 if time.monotonic() > deadline:
-                    raise CacheError(f"timed out after {self.lock_timeout:.0f} s waiting for the lock {path}, "
-                                     f"held by another process building the same kernel; raise "
-                                     f"KERNELGEN_LOCK_TIMEOUT or find that process")
+                    raise _cache_error(f"timed out after {self.lock_timeout:.0f} s waiting for the lock {path}, "
+                                       f"held by another process building the same kernel; raise "
+                                       f"KERNELGEN_LOCK_TIMEOUT or find that process")
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.5)
             yield
@@ -353,7 +375,7 @@ class Cache:
             with contextlib.suppress(OSError):
                 os.rename(staging, failed)
             raise
-        so = staging / so_name(name)
+        so = built.path
         manifest = {
             "format": FORMAT, "key": key, "name": name, "family": spec.family,
             "spec": spec.to_dict(), "summary": spec.summary(), "toolchain": toolchain.to_dict(),

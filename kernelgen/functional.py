@@ -263,6 +263,37 @@ def _default_cache():
     return default_cache()
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides torch gives a new NCHW-contiguous tensor of `shape` (a size 0 counts as 1)."""
+    N, C, H, W = shape
+    sw = 1
+    sh = sw * max(W, 1)
+    sc = sh * max(H, 1)
+    return (sc * max(C, 1), sc, sh, sw)
+
+
+def _channels_last_strides(shape) -> tuple[int, ...]:
+    """The strides torch gives a new channels_last tensor of `shape` (plain products, as torch's)."""
+    N, C, H, W = shape
+    return (C * W * H, 1, C * W, C)
+
+
+def _input_strides(input: torch.Tensor, unbatched: bool, prep: int) -> tuple[int, ...]:
+    """The strides of the 4-D input a kernel is handed: `input` (unsqueezed if unbatched),
+    made contiguous in NCHW (prep 1) or channels_last (prep 2) when it is not already.
+
+    Computed from sizes and strides, as torch computes them, rather than by running
+    unsqueeze/contiguous on meta tensors: the first meta tensor of a process costs more
+    than the rest of a warm call's planning.
+    """
+    x = input.unsqueeze(0) if unbatched else input  # a view: no copy, no allocation
+    if prep == 1 and not x.is_contiguous():
+        return _contiguous_strides(x.shape)
+    if prep == 2 and not x.is_contiguous(memory_format=_CL):
+        return _channels_last_strides(x.shape)
+    return x.stride()
+
+
 def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     """Precompute a plan's launch arguments from the call's sizes and the tensors' strides."""
     unbatched, N, K, P, Q, H, W, channels_last = call_fields
@@ -270,15 +301,8 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     prep = _PREP[layout]
     if launch is None:
         return Plan(None, (N, K, P, Q), fmt, unbatched, prep, True, True, (), key)
-    meta_x = torch.empty_strided(input.shape, input.stride(), dtype=input.dtype, device="meta")
-    if unbatched:
-        meta_x = meta_x.unsqueeze(0)
-    if prep == 1:
-        meta_x = meta_x.contiguous()
-    elif prep == 2:
-        meta_x = meta_x.contiguous(memory_format=_CL)
-    xs = meta_x.stride()
-    ys = torch.empty((N, K, P, Q), dtype=input.dtype, device="meta", memory_format=fmt).stride()
+    xs = _input_strides(input, unbatched, prep)
+    ys = (_channels_last_strides if channels_last else _contiguous_strides)((N, K, P, Q))
     dev = input.device.index if input.is_cuda else -1
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, weight.is_contiguous(),
                 bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, dev), key, workspace_bytes(key))

@@ -23,6 +23,7 @@ import kernelgen
 import kernelgen.cache as cache_mod
 import kernelgen.functional as functional
 import kernelgen.kernels as kernels
+import kernelgen.toolchain  # noqa: F401 (the tests name kernelgen.toolchain.current)
 from kernelgen.cache import Cache
 from kernelgen.errors import CacheError
 
@@ -204,6 +205,24 @@ def test_new_directory_is_private(tmp_path):
     assert (root.stat().st_mode & 0o777) == 0o700
 
 
+def test_missing_subdirectories_are_recreated(tmp_path):
+    root = tmp_path / "cache"
+    Cache(root).ensure()
+    (root / "locks").rmdir()
+    Cache(root).ensure()
+    assert (root / "locks").is_dir() and (root / "locks").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_file_where_the_cache_belongs_is_an_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError):
+        Cache(tmp_path / "file").ensure()
+    (tmp_path / "cache").mkdir(mode=0o700)
+    (tmp_path / "cache" / "entries").write_text("")
+    with pytest.raises(FileExistsError):
+        Cache(tmp_path / "cache").ensure()
+
+
 def test_lock_timeout_names_the_lock_file(tmp_path):
     root = tmp_path / "cache"
     holder = Cache(root)
@@ -232,7 +251,8 @@ WARM_CHILD = textwrap.dedent("""
     x = torch.randn(2, 3, 11, 11); w = torch.randn(5, 3, 3, 3)
     y = kernelgen.conv2d(x, w, padding=1)
     print(json.dumps(dict(kernelgen.stats(), spec_loaded="kernelgen.spec" in sys.modules,
-                          jinja_loaded="jinja2" in sys.modules)))
+                          jinja_loaded="jinja2" in sys.modules,
+                          modules=sorted(m for m in sys.modules if m.startswith("kernelgen")))))
 """)
 
 
@@ -246,6 +266,10 @@ def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
     second = run()
     assert second["compiles"] == 0 and second["cache_hits"] == 1
     assert not second["spec_loaded"] and not second["jinja_loaded"]
+    # nor anything else that only a miss needs: every module imported adds to a warm start
+    needless = {"kernelgen." + m for m in ("spec", "checks", "dispatch", "families", "toolchain", "build", "errors",
+                                           "nn", "warm", "cli", "cache_admin")}
+    assert not needless & set(second["modules"]), second["modules"]
     # a damaged record is ignored (and rewritten) rather than trusted
     for record in (root / "plans").glob("*.json"):
         record.write_text('{"format": 1, "key": "0000", "call": [], "prep": "nope"}')
