@@ -38,7 +38,6 @@ SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 REG_OVERHEAD = 48
 MAX_REGS = 255
 ARCHS = ("sm_90a",)
-_WG_TYPE = {"float32": "tf32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def _ceil(a: int, b: int) -> int:
@@ -72,7 +71,7 @@ class WgmmaFamily(Family):
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "SMEM_BYTES": smem, "MINB": t["min_blocks"],
-            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec, "WG_TYPE": _WG_TYPE.get(spec.dtype, "none"),
+            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec,
             "REGS": tp * tq // 2 + 4 * xpt + REG_OVERHEAD,
         }
 
