@@ -86,7 +86,7 @@ def record_name(signature: list, arch: str) -> str:
 
 def read(root: Path, name: str) -> dict | None:
     try:
-        record = json.loads((root / "plans" / f"{name}.json").read_text())
+        record = json.loads((root / "plans" / f"{name}.json").read_bytes())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("format") == FORMAT else None
