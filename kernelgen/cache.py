@@ -204,7 +204,7 @@ class Cache:
         """
         path = self.entry_dir(key)
         try:
-            manifest = json.loads((path / MANIFEST).read_text())
+            manifest = json.loads((path / MANIFEST).read_bytes())
         except FileNotFoundError:
             raise
         except (OSError, ValueError) as exc:
@@ -240,7 +240,7 @@ class Cache:
             # the very one a previous process hashed (same inode, size and mtime).
             seen = [st.st_ino, st.st_size, st.st_mtime_ns, so.get("sha256")]
             try:
-                verified = json.loads((path / VERIFIED).read_text()) == seen
+                verified = json.loads((path / VERIFIED).read_bytes()) == seen
             except (OSError, ValueError):
                 verified = False
             if not verified:

@@ -48,12 +48,16 @@ def jobs() -> int:
     return int(_positive("KERNELGEN_JOBS", text, int))
 
 
-def cuda_home() -> Path | None:
+def cuda_home(nvcc: str | None = None) -> Path | None:
+    """The CUDA toolkit: $CUDA_HOME, $CUDA_PATH, the one holding the nvcc on PATH, /usr/local/cuda.
+
+    nvcc: the nvcc PATH finds, for a caller that has looked it up already (None: look).
+    """
     for name in ("CUDA_HOME", "CUDA_PATH"):
         value = os.environ.get(name)
         if value:
             return Path(value)
-    nvcc = shutil.which("nvcc")
+    nvcc = nvcc or shutil.which("nvcc")
     if nvcc:
         return Path(nvcc).resolve().parent.parent
     default = Path("/usr/local/cuda")

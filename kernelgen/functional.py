@@ -10,6 +10,7 @@ a later process skips validation and dispatch and imports its kernel directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -137,7 +138,7 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             _plans[sig] = plan
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        return _NoBackward.apply(plan, input, weight, bias)
+        return _no_backward().apply(plan, input, weight, bias)
     return _run(plan, input, weight, bias)
 
 
@@ -331,18 +332,28 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y.squeeze(0) if plan.squeeze else y
 
 
-class _NoBackward(torch.autograd.Function):
-    """Carries requires_grad through the forward; backward explains what is missing."""
+@functools.lru_cache(maxsize=None)
+def _no_backward() -> type:
+    """The autograd Function that carries requires_grad through the forward; its backward
+    explains what is missing.
 
-    @staticmethod
-    def forward(ctx, plan, input, weight, bias):  # type: ignore[override]
-        return _run(plan, input, weight, bias)
+    Defined on first use: creating an autograd.Function subclass (torch makes a second
+    class for its backward node) costs a process ~0.1 ms, which an inference process, or
+    a warm start, need not pay at import.
+    """
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        raise NotImplementedError("kernelgen.conv2d has no backward kernels yet: it computes forward passes "
-                                  "(inference). Train with torch.nn.functional.conv2d, or run kernelgen under "
-                                  "torch.no_grad()/torch.inference_mode().")
+    class _NoBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, plan, input, weight, bias):  # type: ignore[override]
+            return _run(plan, input, weight, bias)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            raise NotImplementedError("kernelgen.conv2d has no backward kernels yet: it computes forward passes "
+                                      "(inference). Train with torch.nn.functional.conv2d, or run kernelgen under "
+                                      "torch.no_grad()/torch.inference_mode().")
+
+    return _NoBackward
 
 
 def clear_plans() -> None:

@@ -49,25 +49,32 @@ def _walk(root: str, suffix: str, prefix: str = "") -> list[list]:
     return found
 
 
+def _tool(name: str) -> list | None:
+    """[path, device, inode, size, mtime_ns] of the executable PATH finds for `name` (None: none).
+
+    The stat follows symlinks, so the numbers are those of the real binary: switching
+    what /usr/bin/c++ points to changes them, as an upgrade in place does.
+    """
+    path = shutil.which(name)
+    if path is None:
+        return None
+    st = os.stat(path)
+    return [path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 @functools.lru_cache(maxsize=None)
 def identity() -> str:
     """sha256 of what a record depends on besides the call: code, templates, versions, compilers."""
     import torch
 
-    from .render import template_dir
+    from . import render
 
     package = os.path.dirname(os.path.abspath(__file__))
-    tools = []
-    for name in (config.host_compiler(), "nvcc"):
-        path = shutil.which(name)
-        if path:
-            st = os.stat(path)
-            tools.append([os.path.realpath(path), st.st_size, st.st_mtime_ns])
-        else:
-            tools.append(None)
-    home = config.cuda_home()
+    cxx, nvcc = _tool(config.host_compiler()), _tool("nvcc")
+    home = config.cuda_home(nvcc[0] if nvcc else None)
     ident = [FORMAT, __version__, sys.implementation.cache_tag, torch.__version__, torch.version.cuda,
-             _walk(package, ".py"), _walk(str(template_dir()), ".j2"), tools, str(home) if home else None]
+             _walk(package, ".py"), _walk(str(render.template_dir()), ".j2"), [cxx, nvcc],
+             str(home) if home else None]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()
 
 
@@ -79,7 +86,7 @@ def record_name(signature: list, arch: str) -> str:
 
 def read(root: Path, name: str) -> dict | None:
     try:
-        record = json.loads((root / "plans" / f"{name}.json").read_text())
+        record = json.loads((root / "plans" / f"{name}.json").read_bytes())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("format") == FORMAT else None
