@@ -324,11 +324,10 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             stream = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
         else:
             stream = 0
-        if plan.ws:  # the caching allocator hands it out on this stream: reuse stays stream-ordered
-            ws = torch.empty(plan.ws, dtype=torch.uint8, device=input.device)
-            plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream, ws.data_ptr())
-        else:
-            plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream, 0)
+        # Scratch from the caching allocator on this stream, so its reuse stays stream-ordered.
+        ws = torch.empty(plan.ws, dtype=torch.uint8, device=input.device) if plan.ws else None
+        plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream,
+                    0 if ws is None else ws.data_ptr())
     return y.squeeze(0) if plan.squeeze else y
 
 
