@@ -6,8 +6,7 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    stencil; the tensor-core GEMMs would run at K = kh*kw, far too thin to pay.
 2. wgmma (sm_90a only): float32 with TF32 allowed, bf16 and fp16, column stride 1, at
    least 64 output channels per group, one full wgmma k-step of input channels per
-   group (8 float32, 16 bf16/fp16) and a long reduction (CIN_G*KH*KW >= 256 float32,
-   >= 128 bf16/fp16):
+   group (8 float32, 16 bf16/fp16) and a reduction CIN_G*KH*KW >= 128:
    Hopper's warpgroup MMA reads both operands from shared memory, which mma.sync
    cannot; compute-bound shapes gain most.
 3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
@@ -76,7 +75,7 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
         # its check may depend on the tiles (e.g. a k-step the dtype's MMA needs).
         base = ConvSpec(**params, device=device, layout=layout, math=fam_math, family=name)
         try:
-            chosen = dict(fam.default_tiles(base, problem))  # may itself find that nothing fits
+            chosen = dict(fam.default_tiles(base, problem, fixed=tiles))  # may find that nothing fits
             if tiles:
                 chosen.update(tiles)
             spec = base.replace(tiles=tuple(chosen.items()))
@@ -100,10 +99,9 @@ def _worth_it(name: str, spec: ConvSpec) -> bool:
         return spec.cin_per_group >= 4
     if name == "wgmma":
         kh, kw = spec.kernel_size
-        # Long reductions only. H100: case 56 (64x5x7) TF32 2.72 ms vs igemm 7.23, bf16 1.36 vs
-        # 5.67; case 63 (16x3x3) bf16 7.98 vs igemm 9.44, but TF32 9.5 vs 8.5; case 87 (64x1x1)
-        # TF32 9.1 vs pointwise 4.7, bf16 4.8 vs 3.1.
-        long_k = 256 if spec.dtype == "float32" else 128
+        # Reductions of 128 and more. H100: case 56 (64x5x7) TF32 2.31 ms vs igemm 7.23, bf16 1.39
+        # vs 5.67; case 63 (16x3x3) TF32 7.34 vs igemm 8.54, bf16 4.62 vs 6.33 (both staged);
+        # case 87 (64x1x1) TF32 9.1 vs pointwise 4.7, bf16 4.8 vs 3.1 (before staging).
         return (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
-                and spec.cin_per_group * kh * kw >= long_k)
+                and spec.cin_per_group * kh * kw >= 128)
     return True

@@ -44,7 +44,12 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     assert _choose(**CASES["56"]).family == "wgmma"
     assert _choose(**CASES["56"], dtype="bfloat16").family == "wgmma"
     assert _choose(**CASES["63"], dtype="bfloat16").family == "wgmma"
-    assert _choose(**CASES["63"]).family == "igemm"  # TF32 63 measured faster on mma.sync
+    # 63 (16x3x3): staged epilogue and cp.async input; strict float32 stays with 3xTF32.
+    spec63 = _choose(**CASES["63"])
+    assert spec63.family == "wgmma"
+    assert dict(spec63.tiles)["stage_out"] == 1 and dict(spec63.tiles)["async_x"] == 1
+    assert dict(_choose(**CASES["56"]).tiles)["stage_out"] == 0  # compute-bound: ring slots first
+    assert _choose(**CASES["63"], math="ieee").family == "igemm"
     assert _choose(**CASES["87"]).family == "pointwise"
     assert _choose(**CASES["56"], dtype="float64", math="ieee").family == "direct"
     assert _choose(**CASES["56"], arch="sm_80").family == "igemm"
@@ -69,13 +74,16 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype):
     spec = _choose(**CASES[case], dtype=dtype, family="wgmma")
     lay = FAM.layout(spec)
     assert lay["SMEM_BYTES"] <= SMEM_LIMIT
-    # Shared memory: resident weights (or none) plus the ring of stage slots, 16-byte rows.
+    # Shared memory: resident weights (or none), the ring of stage slots (16-byte rows) and the
+    # staged epilogue's rows (16 channels per warp, one output row each).
     slot = (0 if lay["WRES"] else lay["WVEC"]) + lay["XVEC"]
-    assert lay["SMEM_BYTES"] == 16 * ((lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot)
+    esize = 4 if dtype == "float32" else 2
+    epi = lay["NTH"] // 32 * 16 * lay["ESRS"] * esize if lay["STAGE_OUT"] else 0
+    assert lay["EPI_BYTES"] == epi and lay["ESRS"] >= lay["TQ"] + 16 // esize
+    assert lay["SMEM_BYTES"] == 16 * ((lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot) + epi
     # The workspace holds every weight, padded to whole stages and m-blocks.
     cin_g, cout = spec.cin_per_group, spec.out_channels
     kh, kw = spec.kernel_size
-    esize = 4 if dtype == "float32" else 2
     assert lay["WORKSPACE_BYTES"] >= cout * cin_g * kh * kw * esize
     assert lay["WORKSPACE_BYTES"] == 16 * spec.groups * lay["MB"] * lay["SPT"] * lay["WVEC"]
     assert lay["CK"] % (2 * lay["CPV"]) == 0 and lay["CK"] * esize == 16 * lay["NCH"]

@@ -53,11 +53,13 @@ class Case:
     H: int
     W: int
     family: str | None
+    tiles: tuple = ()  # (name, value) pairs forced over the family's defaults
 
     def __str__(self) -> str:
         return (f"#{self.idx} N{self.N} {self.C}->{self.K} g{self.groups} k{self.kernel} s{self.stride} "
                 f"p{self.padding} d{self.dilation} {self.dtype}/{self.precision} {self.layout} {self.H}x{self.W}"
-                f"{' bias' if self.bias else ''}{' family=' + self.family if self.family else ''}")
+                f"{' bias' if self.bias else ''}{' family=' + self.family if self.family else ''}"
+                f"{' ' + ','.join(f'{k}={v}' for k, v in self.tiles) if self.tiles else ''}")
 
 
 def make_cases(n: int, seed: int = 1234) -> list[Case]:
@@ -128,8 +130,42 @@ def make_wgmma_cases(n: int, seed: int = 4321) -> list[Case]:
     return cases
 
 
+def make_staged_cases(n: int, seed: int = 2468) -> list[Case]:
+    """Calls forced onto the staged epilogue (tile stage_out=1) of `pointwise` and `igemm`, and of
+    `wgmma` on Hopper: output rows of every alignment (odd widths, strided views, unbatched),
+    bias, groups, partial channel blocks, every dtype and float32 precision."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        family = rng.choice(["pointwise", "igemm", "igemm"] + (["wgmma"] if HOPPER else []))
+        groups = rng.choice([1, 1, 2])
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        C = groups * rng.choice([8, 16, 24, 32] if family != "wgmma" or dtype == "float32" else [16, 32])
+        K = groups * rng.choice([8, 24, 64, 96, 128] if family != "wgmma" else [64, 80, 128])
+        kernel = (1, 1) if family == "pointwise" else rng.choice([(3, 3), (1, 1), (5, 7), (3, 1), (2, 4)])
+        stride = (1, 1) if family == "pointwise" else rng.choice([(1, 1), (1, 1), (2, 1)] +
+                                                                 ([(2, 2)] if family == "igemm" else []))
+        padding = 0 if family == "pointwise" else rng.choice([0, 1, (2, 0), "valid"])
+        dilation = (1, 1) if family == "pointwise" else rng.choice([(1, 1), (1, 1), (2, 1)])
+        precision = (rng.choice(["tf32", "ieee"]) if family != "wgmma" else "tf32") if dtype == "float32" else None
+        tiles = [("stage_out", 1)] + ([("min_blocks", 1)] if family != "wgmma" else [])  # the staging's smem
+        if (family == "igemm" and dtype == "float32" and precision == "tf32" and kernel[0] <= 3
+                and C // groups <= 32 and rng.random() < 0.5):
+            tiles.append(("async_x", 1))  # resident weights only
+        layout = rng.choice(["contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2, 3])
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 200), ew)
+        cases.append(Case(2000 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
+                          dtype, precision, layout, H, W, family, tuple(tiles)))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-CASES = make_cases(N_CASES) + (make_wgmma_cases(48) if HOPPER else [])
+CASES = make_cases(N_CASES) + (make_wgmma_cases(48) if HOPPER else []) + make_staged_cases(48)
+
+# `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone (the fixture below compiles
+# only what the selected cases need).
 
 
 def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
@@ -165,15 +201,17 @@ def call_poisoned(fn, out_numel: int, dtype: torch.dtype):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def warmed(session_cache):
-    """Compile every kernel the sweep needs, in parallel, before the first test."""
+def warmed(session_cache, request):
+    """Compile every kernel the selected sweep cases need, in parallel, before the first test."""
     from kernelgen.warm import warm_specs
 
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if hasattr(item, "callspec") and isinstance(item.callspec.params.get("case"), Case)]
     specs = set()
-    for case in CASES:
+    for case in selected:
         x, w, b = make_tensors(case, device="meta")
         spec, _ = spec_for(x, w, b, **conv_kwargs(case), device="cuda", precision=case.precision,
-                           family=case.family)
+                           family=case.family, tiles=dict(case.tiles) or None)
         if spec is not None:
             specs.add(spec)
     results = warm_specs(sorted(specs, key=lambda s: s.to_json()), jobs=int(os.environ.get("KERNELGEN_JOBS", "16")))
@@ -208,7 +246,8 @@ def test_sweep_against_float64(case: Case):
     kw = conv_kwargs(case)
     ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw)
     out_numel = ref.numel()
-    y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, **kw, precision=case.precision, family=case.family),
+    y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, **kw, precision=case.precision, family=case.family,
+                                               tiles=dict(case.tiles) or None),
                       out_numel, x.dtype)
     torch.cuda.synchronize()
     assert y.shape == ref.shape and y.dtype == x.dtype and y.device == x.device
@@ -326,14 +365,19 @@ MEMCHECK = textwrap.dedent("""
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)
+        staged = dict(tiles={{"stage_out": 1, "min_blocks": 1}})
         if "pointwise" in fams:
             run("pointwise", dtype, (2, 32, 19, 24), (48, 32, 1, 1))
+            run("pointwise", dtype, (2, 32, 19, 25), (48, 32, 1, 1), **staged)
         if "igemm" in fams:
             run("igemm", dtype, (2, 16, 19, 24), (40, 16, 3, 3), padding=1)
             run("igemm", dtype, (2, 16, 19, 24), (24, 16, 5, 7), stride=(2, 1))
+            run("igemm", dtype, (2, 16, 19, 70), (40, 16, 3, 3), padding=1, **staged)
+            run("igemm", dtype, (2, 16, 19, 24), (24, 16, 5, 7), stride=(2, 1), **staged)
         if "wgmma" in fams and torch.cuda.get_device_capability() == (9, 0):
             prec = dict(precision="tf32") if dtype == torch.float32 else {{}}
             run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, **prec)
+            run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, tiles={{"stage_out": 0}}, **prec)
             run("wgmma", dtype, (2, 48, 13, 40), (128, 48, 5, 7), stride=(2, 1), padding=(2, 0), **prec)
             run("wgmma", dtype, (2, 64, 9, 33), (192, 32, 1, 1), groups=2, **prec)
     torch.cuda.synchronize()

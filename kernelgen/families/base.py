@@ -52,8 +52,13 @@ class Family:
     def check_shape(self, spec: "ConvSpec") -> None:
         """Family-specific conditions (kernel size, groups, ...). Default: none."""
 
-    def default_tiles(self, spec: "ConvSpec", problem: "Problem") -> dict[str, int]:
-        """Tile sizes for a problem shape; the default is each parameter's first value."""
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
+        """Tile sizes for a problem shape; the default is each parameter's first value.
+
+        `fixed`: tiles the caller forces; a family whose candidates interact (shared memory,
+        registers) picks the others around them. The dispatcher applies them afterwards either way.
+        """
         return {name: values[0] for name, values in self.tiles.items()}
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:

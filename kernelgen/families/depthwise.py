@@ -95,7 +95,8 @@ class DepthwiseFamily(Family):
             raise Unsupported(f"depthwise tiles {_tiles_of(spec)} need {smem} bytes of shared memory for this "
                               f"kernel/stride/dilation; at most {SMEM_LIMIT} are used (choose smaller tiles)")
 
-    def default_tiles(self, spec: "ConvSpec", problem: "Problem") -> dict[str, int]:
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
         """Tiles for a problem shape.
 
         block_q: the column tile that loads the fewest window columns in all, counting

@@ -43,7 +43,8 @@ class DirectFamily(Family):
         x_budget = SMEM_BUDGET - (w_bytes if w_smem else 0)
         return {"W_SMEM": w_smem, "X_SMEM": self.smem_bytes(spec, "x") <= x_budget}
 
-    def default_tiles(self, spec, problem) -> dict[str, int]:
+    def default_tiles(self, spec, problem,
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
         """Small outputs get small tiles (fewer idle threads); channels tile up to 8x4.
 
         block_q follows the output width (coalesced row segments), block_p makes the

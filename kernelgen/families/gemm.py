@@ -110,26 +110,25 @@ class GemmFamily(Family):
         xwords = kp * cs
         wwords = bm * aks
         mt, nt = bm // warps_m // 16, bn // warps_n // 8
-        # Epilogue staging: each warp writes its WTM x WTN tile to shared memory as rows of
-        # SEG output pixels that are contiguous in global memory, shifted by the row's
-        # 16-byte misalignment, then streams whole 16-byte chunks (ERS words per row).
+        # Epilogue staging (stage_out=1): the block's tile as BM x TP segments (one channel x one
+        # output row; pointwise: BN flattened pixels), each with room for a shift of up to one
+        # 16-byte chunk. Row strides of 32 bytes (float32: 8-byte fragment writes) or 16 bytes
+        # (16-bit: 4-byte writes) past a multiple of 128 keep the fragment writes conflict-free.
         esz = 4 if spec.dtype == "float32" else 2
-        wtn = nt * 8
-        seg = min(wtn, tq)  # both powers of two: one divides the other
-        need = _ceil((seg + 16 // esz) * esz, 16) * 4  # words, whole 16-byte chunks
-        # Conflict-free fragment writes: 8-byte (float32) rows 8 mod 16 words apart, 4-byte 4 mod 8.
-        ers = _pad_to(need, 16, 8) if esz == 4 and seg >= 32 else _pad_to(need, 8, 4)
+        ve = 16 // esz
+        segp = bn if self.flat else tq
+        nseg = bm * (1 if self.flat else tp)
+        srs = _pad_to(segp + ve, 128 // esz, (32 if esz == 4 else 16) // esz)
         stage_out = bool(t.get("stage_out", 0))
-        epi_words = warps_m * warps_n * (mt * 16) * (wtn // seg) * ers if stage_out else 0
+        epi_words = nseg * srs * esz // 4 if stage_out else 0
         # async_x: float32 input stages land by cp.async (no prefetch registers); needs resident
         # weights, whose epilogue staging does not overlap the buffer being filled.
         # async_x=2 keeps two tiles in flight (three input buffers).
         xasync = bool(t.get("async_x", 0)) and epw == 1 and wres
         xdepth = int(t.get("async_x", 0)) if xasync else 1
         nxb = xdepth + 1
-        # Resident weights: the staging has its own region, so a warp stores while others compute.
-        # Otherwise it reuses the pipeline buffers between two barriers (one per tile: cheap).
-        smem_words = wwords + nxb * xwords + epi_words if wres else max(2 * (wwords + xwords), epi_words)
+        # The staging has its own region after the pipeline buffers.
+        smem_words = (wwords + nxb * xwords if wres else 2 * (wwords + xwords)) + epi_words
         prefetch = 0 if xasync else _ceil(kp * xp * xq, nth) * epw
         prefetch += 0 if wres else _ceil(bm * ksw, nth) * epw
         if self.flat and not xasync:  # the 16-byte path loads 4 pixels per unit
@@ -143,7 +142,7 @@ class GemmFamily(Family):
             "FULL": full, "NTH": nth, "WARPS_M_": warps_m, "WARPS_N_": warps_n, "MT": mt, "NT": nt,
             "KP": kp, "KR": kr, "KSW": ksw, "AKS": aks, "XP": xp, "XQ": xq, "CS": cs,
             "CCHUNKS": cchunks, "KSTAGES": kstages, "WRES": wres, "XWORDS": xwords, "WWORDS": wwords,
-            "XASYNC": xasync, "XDEPTH": xdepth, "NXB": nxb, "STAGE_OUT": stage_out, "SEG": seg, "ERS": ers, "EPI_WORDS": epi_words,
+            "XASYNC": xasync, "XDEPTH": xdepth, "NXB": nxb, "STAGE_OUT": stage_out, "SRS": srs, "EPI_WORDS": epi_words,
             "SMEM_BYTES": smem, "MB": _ceil(spec.cout_per_group, bm), "MINB": t["min_blocks"],
             "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc, "FLUSH": flush,
         }
@@ -195,15 +194,17 @@ class GemmFamily(Family):
                               f"shrink block_k, block_m or the pixel tile")
 
     # -- heuristics -------------------------------------------------------------------
-    def default_tiles(self, spec: "ConvSpec", problem: "Problem") -> dict[str, int]:
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
         """Tiles for a problem shape.
 
         - block_m covers COUT_G up to 128 (32/64/128): each staged input value feeds as
           many output channels as possible; 8 warps as 2x4 (1x4 below 64 channels).
-          Exception: igemm TF32 with resident weights tries 128 with cp.async input
-          (async_x=1, one block per SM), then 64 (two blocks per SM) with a staged epilogue
-          (stage_out=1); see the measurements in the loop.
-        - pointwise 16-bit: 64-pixel blocks first (measured faster on case 87).
+          igemm TF32 with resident weights tries cp.async input first (async_x=1, one
+          block per SM); see the measurements in the loop.
+        - Epilogue: 16-bit outputs leave through shared memory (stage_out=1, one block per
+          SM), float32 straight from the fragments.
+        - pointwise 16-bit: 128-pixel blocks first (measured faster on case 87).
         - block_k takes all of CIN_G when that is at most 64 channels: the reduction is
           one stage, the weights stay resident and blocks are persistent (the
           memory-bound 1x1 and small-CIN k x k cases). Otherwise 16 channels, or 8 for
@@ -234,28 +235,24 @@ class GemmFamily(Family):
         strict3 = spec.dtype == "float32" and spec.math == "ieee"  # 3xTF32: more registers
         bn_list = (256, 128, 64) if heavy and bm == 128 and not strict3 else (128, 64)
         if self.flat and epw == 2:
-            bn_list = (64, 128)  # case 87 bf16: 3.09 ms against 3.23 with 128 (H100)
+            bn_list = (128, 64)  # case 87 bf16, staged: 2.76 ms against 2.83 with 64 (H100)
         tf32 = spec.dtype == "float32" and spec.math == "tf32"
         tiles: list[dict[str, int]] = []
         for ck in candidates_k:
-            # Staged epilogue where it measured faster (H100, same process): igemm TF32 with one
-            # resident stage (case 63: 9.1 ms against 10.9 with direct stores). It lost elsewhere:
-            # 87 TF32 4.74 -> 5.5, 87 strict 6.4 -> 8.2, 63 strict 14.0 -> 15.6, 63 bf16 9.24 ->
-            # 9.70, 56 even (one block of 8 warps per SM is latency-bound, and the staging's
-            # shared-memory round trip sits on that path).
+            # 16-bit: the staged epilogue first (H100: case 87 bf16 2.76 ms against 3.09 with
+            # fragment stores; 63 bf16 igemm 6.3 against 9.4), in one block per SM.
+            # float32: fragment stores (staged, 63 TF32 10.0-11.0 against 8.5, 87 strict 7.4
+            # against 6.4, 87 TF32 even). With resident weights, TF32 first tries 128 channels
+            # with cp.async input (async_x=1): 63 TF32 8.33-8.51 ms against 8.67-8.99 for the
+            # register-staged kernels; cp.async lost elsewhere (87 TF32 4.81-5.05 vs 4.75, 87
+            # strict 6.68 vs 6.28, 63 strict 15.0 vs 13.8); async_x=2 was even or slower.
             resident = not self.flat and ck >= cin_g and kh <= 3
-            stage = int(resident and tf32)
-            # ... and there 64-channel blocks (32x32 warp tiles, two blocks per SM) beat 128:
-            # case 63 TF32 8.78 ms against 9.12. Better still (first): 128 channels, one block per
-            # SM, input by cp.async (async_x=1), direct stores: 63 TF32 8.33-8.51 ms against
-            # 8.67-8.99 for the 64-channel staged kernel in the same runs (cuDNN 7.10). cp.async lost
-            # everywhere else: 87 TF32 4.81-5.05 vs 4.75, 87 strict 6.68 vs 6.28, 63 strict 15.0 vs
-            # 13.8; async_x=2 (two tiles in flight) was even (63 TF32 8.37) or slower.
             variants: list[dict[str, int]] = []
-            if stage and bm == 128:
+            if epw == 2:
+                variants.append({"block_m": bm, "stage_out": 1, "async_x": 0, "min_blocks": 1})
+            elif resident and tf32 and bm == 128:
                 variants.append({"block_m": 128, "stage_out": 0, "async_x": 1, "min_blocks": 1})
-            variants += [{"block_m": b, "stage_out": stage, "async_x": 0}
-                         for b in ((64, bm) if stage and bm == 128 else (bm,))]
+            variants.append({"block_m": bm, "stage_out": 0, "async_x": 0})
             for v in variants:
                 b = v["block_m"]
                 base = {"block_k": ck, "warps_m": 2 if b >= 64 else 1, "warps_n": 4, **v}
@@ -273,6 +270,7 @@ class GemmFamily(Family):
                             tiles.append({**base, "tile_p": tp, "tile_q": tq, "full_kh": full})
         for cand in tiles:
             cand = {k: v for k, v in cand.items() if k in self.tiles}
+            cand.update(fixed or {})  # forced tiles hold; the loop finds the rest around them
             if any(k not in cand for k in self.tiles if k != "min_blocks"):
                 continue
             if any(v not in self.tiles[k] for k, v in cand.items()):
