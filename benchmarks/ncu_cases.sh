@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Nsight Compute on the GEMM cases: one profiled launch of each kernel, raw metrics as CSV
+# under $OUT/ncu (or ./gpu-out/ncu), a short summary on stdout.
+#
+#   bash benchmarks/ncu_cases.sh "63 tf32 kernelgen" "63 tf32 torch" ...
+#
+# Leaves the clocks alone (--clock-control none). Run benchmarks/gpu_all.sh's stages or a
+# warm first so that nothing compiles under the profiler.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/gpu-out}/ncu
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-$PWD/.kgcache}
+sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+          --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats)
+for run in "$@"; do
+  read -r case prec who rest <<<"$run"
+  name="${case}_${prec}_${who}"
+  if [[ $who == torch ]]; then filter=(--launch-skip 1 --launch-count 4); else
+    filter=(-k "regex:kg_(gemm|wgmma|depthwise|direct)" --launch-skip 1 --launch-count 1); fi
+  ncu --clock-control none "${filter[@]}" "${sections[@]}" --page raw --csv \
+      python3 benchmarks/profile_case.py $case $prec $who $rest > "$out/$name.csv" 2> "$out/$name.err"
+  echo "== $name (exit $?)"
+  python3 - "$out/$name.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+if len(rows) < 3: print("  no rows"); sys.exit()
+head = rows[0]
+want = ["Kernel Name", "gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+        "lts__xbar2lts_cycles_active.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+        "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread"]
+for r in rows[2:]:
+    d = dict(zip(head, r))
+    print("  " + " | ".join(f"{k.split('.')[0].split('__')[-1]}={d.get(k, '?')[:40]}" for k in want))
+    stalls = sorted(((float(v.replace(',', '')), k) for k, v in d.items()
+                     if "issue_stalled" in k and k.endswith(".ratio") and k.startswith("smsp__average")
+                     and v.replace(',', '').replace('.', '', 1).isdigit()), reverse=True)[:6]
+    print("  stalls: " + ", ".join(f"{k.split('stalled_')[1].split('_per')[0].split('.')[0]} {v:.2f}" for v, k in stalls))
+PY
+done
