@@ -3,7 +3,7 @@
 // H100 (2026-11-22): fragment-order float2 stores 1.54 TB/s (aligned rows) / 0.71 (1022-wide
 // rows); whole-row 16-byte stores 3.0-3.2 TB/s; bf16 fragment pairs 1.00 / 0.46. This is why
 // the GEMM families stage their output (templates/common/staging.cuh.j2).
-// with each pattern? Output [16][128][P][Q], tile = 128 ch x 2 rows x 64 cols (63's igemm).
+// Output [16][128][P][Q]; tiles of 128 channels x 2 rows x 64 columns (case 63's igemm) and others.
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
