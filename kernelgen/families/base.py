@@ -17,6 +17,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
 
+def staged_row(pixels: int, esize: int) -> int:
+    """Elements from one staged output row to the next (templates/common/staging.cuh.j2): room
+    for `pixels` and a shift of up to one 16-byte chunk, the stride 32 bytes (float32: 8-byte
+    fragment writes) or 16 bytes (16-bit: 4-byte writes) past a multiple of 128, which keeps
+    the fragment writes of eight rows free of bank conflicts."""
+    need, step, rem = pixels + 16 // esize, 128 // esize, (32 if esize == 4 else 16) // esize
+    return need + (rem - need) % step
+
+
 @dataclass(frozen=True)
 class Family:
     """A template family.

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family
+from .base import Family, staged_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -110,17 +110,12 @@ class GemmFamily(Family):
         xwords = kp * cs
         wwords = bm * aks
         mt, nt = bm // warps_m // 16, bn // warps_n // 8
-        # Epilogue staging (stage_out=1): the block's tile as BM x TP segments (one channel x one
-        # output row; pointwise: BN flattened pixels), each with room for a shift of up to one
-        # 16-byte chunk. Row strides of 32 bytes (float32: 8-byte fragment writes) or 16 bytes
-        # (16-bit: 4-byte writes) past a multiple of 128 keep the fragment writes conflict-free.
+        # Epilogue staging (stage_out=1): the block's tile as BM x TP segments, one channel x one
+        # output row of TQ pixels (pointwise: TP is 1, TQ is BN flattened pixels).
         esz = 4 if spec.dtype == "float32" else 2
-        ve = 16 // esz
-        segp = bn if self.flat else tq
-        nseg = bm * (1 if self.flat else tp)
-        srs = _pad_to(segp + ve, 128 // esz, (32 if esz == 4 else 16) // esz)
+        srs = staged_row(tq, esz)
         stage_out = bool(t.get("stage_out", 0))
-        epi_words = nseg * srs * esz // 4 if stage_out else 0
+        epi_words = bm * tp * srs * esz // 4 if stage_out else 0
         # async_x: float32 input stages land by cp.async (no prefetch registers); needs resident
         # weights, whose epilogue staging does not overlap the buffer being filled.
         # async_x=2 keeps two tiles in flight (three input buffers).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family
+from .base import Family, staged_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -67,22 +67,20 @@ class WgmmaFamily(Family):
         smem = 16 * ((wvec if wres else 0) + nbuf * slot)
         nth = 128 * (bm // 64)
         xpt = _ceil(xvec, nth)
-        # Staged epilogue (stage_out=1): per warp 16 rows (channels) of one output row, each with
-        # room for a 16-byte shift; row strides 32 bytes (float32: 8-byte fragment writes) or
-        # 16 bytes (16-bit: 4-byte writes) past a multiple of 128 keep the writes conflict-free.
+        # Staged epilogue (stage_out=1): per warp 16 rows (channels) of one output row.
         esz = 4 if spec.dtype == "float32" else 2
-        esrs = tq + 16 // esz
-        esrs += ((32 if esz == 4 else 16) // esz - esrs) % (128 // esz)
+        esrs = staged_row(tq, esz)
         epi = (nth // 32) * 16 * esrs * esz if t.get("stage_out", 0) else 0
         smem += epi
+        xasync = bool(t.get("async_x", 0)) and spec.dtype == "float32"  # no prefetch registers
         return {
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
-            "XASYNC": bool(t.get("async_x", 0)) and spec.dtype == "float32",
+            "XASYNC": xasync,
             "EPI_BYTES": epi, "SMEM_BYTES": smem, "MINB": t["min_blocks"],
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec,
-            "REGS": tp * tq // 2 + (0 if t.get("async_x", 0) and spec.dtype == "float32" else 4 * xpt) + REG_OVERHEAD,
+            "REGS": tp * tq // 2 + (0 if xasync else 4 * xpt) + REG_OVERHEAD,
         }
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
@@ -164,10 +162,11 @@ class WgmmaFamily(Family):
         # 8.0). Long ones are compute-bound and keep their ring slots (56 TF32 2.31 unstaged
         # against 2.76 staged with half the channels per stage).
         k_total = spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1]
-        stages = (1, 0) if k_total < 512 else (0, 1)
-        order = [(so, r, tp, nb) for so in stages for r in reductions for tp in (2, 1) for nb in r[2]]
-        if k_total >= 512:
-            order = [(so, r, tp, nb) for r in reductions for tp in (2, 1) for nb in r[2] for so in stages]
+        shapes = [(r, tp, nb) for r in reductions for tp in (2, 1) for nb in r[2]]
+        if k_total < 512:
+            order = [(so, *shape) for so in (1, 0) for shape in shapes]
+        else:
+            order = [(so, *shape) for shape in shapes for so in (0, 1)]
         for stage, (ck, full, _slots), tp, nbuf in order:
             if ck > 128:
                 continue
