@@ -67,13 +67,11 @@ def identity() -> str:
     """sha256 of what a record depends on besides the call: code, templates, versions, compilers."""
     import torch
 
-    from . import render
-
     package = os.path.dirname(os.path.abspath(__file__))
     cxx, nvcc = _tool(config.host_compiler()), _tool("nvcc")
     home = config.cuda_home(nvcc[0] if nvcc else None)
     ident = [FORMAT, __version__, sys.implementation.cache_tag, torch.__version__, torch.version.cuda,
-             _walk(package, ".py"), _walk(str(render.template_dir()), ".j2"), [cxx, nvcc],
+             _walk(package, ".py"), _walk(str(config.template_dir()), ".j2"), [cxx, nvcc],
              str(home) if home else None]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()
 
