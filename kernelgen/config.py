@@ -59,8 +59,8 @@ def cuda_home(nvcc: str | None = None) -> Path | None:
         if value:
             return Path(value)
     nvcc = nvcc or shutil.which("nvcc")
-    if nvcc:
-        return Path(nvcc).resolve().parent.parent
+    if nvcc:  # os.path.realpath: Path.resolve makes the same walk, then one more stat
+        return Path(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     default = Path("/usr/local/cuda")
     return default if default.exists() else None
 
