@@ -57,25 +57,28 @@ def _tool(name: str) -> list | None:
     """[path, device, inode, size, mtime_ns] of the executable PATH finds for `name` (None: none).
 
     shutil.which's answer (`name` itself if it has a directory part, else the first PATH
-    entry holding an executable non-directory of that name), found with one stat per
-    entry instead of which's three, and that stat kept: it follows symlinks, so the numbers are
-    those of the real binary, and switching what /usr/bin/c++ points to changes them, as
-    an upgrade in place does.
+    entry holding an executable non-directory of that name), found with one access() per
+    entry, which answers False rather than raising for the many entries that hold no such
+    file, instead of which's exists/access/isdir. The stat follows symlinks, so the
+    numbers are those of the real binary: switching what /usr/bin/c++ points to changes
+    them, as an upgrade in place does.
     """
     if os.path.dirname(name):
-        candidates = [name]
+        directories = [""]
     else:
         path = os.environ.get("PATH")
         if path is None:
             path = os.confstr("CS_PATH") if hasattr(os, "confstr") else os.defpath
-        candidates = [os.path.join(d, name) for d in path.split(os.pathsep)] if path else []
-    for candidate in candidates:
-        try:
-            st = os.stat(candidate)
-        except (OSError, ValueError):
-            continue
-        if not stat.S_ISDIR(st.st_mode) and os.access(candidate, os.X_OK):
-            return [candidate, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+        directories = path.split(os.pathsep) if path else []
+    for directory in directories:
+        candidate = os.path.join(directory, name)
+        if os.access(candidate, os.X_OK):
+            try:
+                st = os.stat(candidate)
+            except OSError:  # removed since the access() call
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                return [candidate, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
     return None
 
 
