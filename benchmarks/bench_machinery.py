@@ -32,14 +32,17 @@ from kernelgen.functional import clear_plans, spec_for  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# One spec per family the device has, each a kernel of the size the cases use.
+# Specs meant to reach each family the device has, with kernels of the sizes the cases use.
+# Labels name the problem, not a family: the dispatcher picks the family (printed beside
+# the label), and its choice moves (5x7 builds wgmma on sm_90a, igemm before Hopper).
 COLD = [  # (label, input shape, weight shape, kwargs)
-    ("direct 3x3", (1, 3, 32, 32), (8, 3, 3, 3), dict(padding=1)),
+    ("3x3 C_in=3", (1, 3, 32, 32), (8, 3, 3, 3), dict(padding=1)),
     ("depthwise 3x3", (1, 32, 32, 32), (32, 1, 3, 3), dict(groups=32, padding=1)),
     ("pointwise 1x1", (1, 64, 32, 32), (128, 64, 1, 1), dict()),
-    ("igemm 3x3", (1, 16, 32, 32), (128, 16, 3, 3), dict()),
-    ("igemm 5x7", (1, 64, 32, 32), (128, 64, 5, 7), dict()),
+    ("dense 3x3", (1, 16, 32, 32), (128, 16, 3, 3), dict()),
+    ("dense 5x7", (1, 64, 32, 32), (128, 64, 5, 7), dict()),
 ]
+WARM_RUNS = 20  # fresh processes; one process's time moves by a millisecond or more
 
 WARM_CHILD = textwrap.dedent("""
     import sys, time
@@ -78,7 +81,7 @@ def cold_compiles(root: Path) -> list[dict]:
     return out
 
 
-def warm_start(root: Path, runs: int = 5) -> list[float]:
+def warm_start(root: Path, runs: int = WARM_RUNS) -> list[float]:
     """Fresh processes calling a cached spec: import kernelgen + first call, after `import torch`.
 
     The package is byte-compiled first, as `pip install` does: a checkout without .pyc
@@ -156,13 +159,15 @@ def main(argv=None) -> int:
         par = parallel_builds(tmp / "par", args.jobs)
     cold_median = statistics.median(r["compile_s"] for r in cold)
     warm_median = statistics.median(warm) * 1e3
+    warm_q1, _, warm_q3 = (q * 1e3 for q in statistics.quantiles(warm, n=4))
     print(f"# machinery on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'the CPU path (no CUDA device)'}")
     for r in cold:
         print(f"cold compile  {r['label']:14} ({r['family']:9}): compile {r['compile_s']:5.2f} s, first call "
               f"{r['first_call_s']:5.2f} s")
     print(f"cold compile median: {cold_median:.2f} s (target <= 10 s): {'ok' if cold_median <= 10 else 'MISS'}")
-    print(f"fresh process, cached spec, import kernelgen + first call: median {warm_median:.2f} ms of "
-          f"{[round(t * 1e3, 2) for t in warm]} (target <= 5 ms): {'ok' if warm_median <= 5 else 'MISS'}")
+    print(f"fresh process, cached spec, import kernelgen + first call: median {warm_median:.2f} ms of {len(warm)} "
+          f"processes (quartiles {warm_q1:.2f}-{warm_q3:.2f}, range {min(warm) * 1e3:.2f}-{max(warm) * 1e3:.2f}) "
+          f"(target <= 5 ms): {'ok' if warm_median <= 5 else 'MISS'}")
     print(f"host overhead per call, tiny conv: kernelgen {overhead['kernelgen']:.1f} us, F.conv2d "
           f"{overhead['F.conv2d']:.1f} us (target: kernelgen <= F.conv2d): "
           f"{'ok' if overhead['kernelgen'] <= overhead['F.conv2d'] else 'MISS'}")

@@ -38,10 +38,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from . import config
-from .render import ABI_VERSION, Rendered, render, template_dir, template_digest
+from ._version import ABI_VERSION
+from .config import template_dir  # noqa: F401 (part of this module's API)
 
 if TYPE_CHECKING:
     from .build import Built
+    from .render import Rendered
     from .spec import ConvSpec
     from .toolchain import Toolchain
 
@@ -81,6 +83,8 @@ def lookup_key(spec: ConvSpec, toolchain: Toolchain) -> str:
     machine without compilers finds shipped entries; `read_entry` then checks the
     entry's full toolchain wherever the local one is known.
     """
+    from .render import template_digest
+
     return _sha256_json({"spec": spec.to_dict(), "templates": template_digest(), "code": code_digest(),
                          "toolchain": toolchain.runtime_dict(), "abi": ABI_VERSION})
 
@@ -126,6 +130,13 @@ def _cache_error(message: str) -> Exception:
     from .errors import CacheError  # imported here: a process served from the cache never raises it
 
     return CacheError(message)
+
+
+def render(spec: ConvSpec) -> Rendered:
+    """kernelgen.render.render, imported when first needed: a process served from the cache renders nothing."""
+    from . import render as renderer
+
+    return renderer.render(spec)
 
 
 def build(rendered: Rendered, toolchain: Toolchain, name: str, directory: Path) -> Built:

@@ -1,4 +1,5 @@
-"""Every environment variable kernelgen reads, read here and nowhere else.
+"""Where kernelgen's inputs and outputs live, and every environment variable it reads
+(read here and nowhere else).
 
 | variable | default | meaning |
 | --- | --- | --- |
@@ -58,10 +59,24 @@ def cuda_home(nvcc: str | None = None) -> Path | None:
         if value:
             return Path(value)
     nvcc = nvcc or shutil.which("nvcc")
-    if nvcc:
-        return Path(nvcc).resolve().parent.parent
+    if nvcc:  # os.path.realpath: Path.resolve makes the same walk, then one more stat
+        return Path(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
     default = Path("/usr/local/cuda")
     return default if default.exists() else None
+
+
+def template_dir() -> Path:
+    """The templates shipped with the package, or the checkout's `templates/`.
+
+    Here rather than in render.py so that a warm process, which checks the templates'
+    sizes and mtimes (plans.py) but renders nothing, need not import the renderer.
+    """
+    here = os.path.dirname(os.path.realpath(__file__))
+    for candidate in (os.path.join(here, "templates"), os.path.join(os.path.dirname(here), "templates")):
+        if os.path.isfile(os.path.join(candidate, "binding.cpp.j2")):
+            return Path(candidate)
+    raise FileNotFoundError(f"kernelgen's templates are missing (looked in {os.path.join(here, 'templates')} and "
+                            f"{os.path.join(os.path.dirname(here), 'templates')}); reinstall the package")
 
 
 def host_compiler() -> str:

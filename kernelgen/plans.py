@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 import os
-import shutil
+import stat
 import sys
 import uuid
 from pathlib import Path
@@ -31,49 +31,73 @@ from ._version import __version__
 FORMAT = 1
 
 
-def _walk(root: str, suffix: str, prefix: str = "") -> list[list]:
-    """[relative path, size, mtime_ns] of every file ending in `suffix` under `root`, sorted.
+def _walk(root: str, suffix: str) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime_ns) of every file ending in `suffix` under `root`, sorted.
 
-    os.scandir, not pathlib or os.walk: this runs in every process's first call.
+    One listing per directory and one stat per file found (DirEntry.is_dir answers from
+    the listing): this runs in every process's first call.
     """
     found = []
-    with os.scandir(root) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for e in entries:
-        if e.is_dir(follow_symlinks=False):
-            if e.name != "__pycache__":
-                found += _walk(e.path, suffix, prefix + e.name + "/")
-        elif e.name.endswith(suffix):
-            st = e.stat()
-            found.append([prefix + e.name, st.st_size, st.st_mtime_ns])
+    pending = [(root, "")]
+    while pending:
+        directory, prefix = pending.pop()
+        with os.scandir(directory) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    if e.name != "__pycache__":
+                        pending.append((e.path, prefix + e.name + "/"))
+                elif e.name.endswith(suffix):
+                    st = e.stat()
+                    found.append((prefix + e.name, st.st_size, st.st_mtime_ns))
+    found.sort()
     return found
 
 
 def _tool(name: str) -> list | None:
     """[path, device, inode, size, mtime_ns] of the executable PATH finds for `name` (None: none).
 
-    The stat follows symlinks, so the numbers are those of the real binary: switching
-    what /usr/bin/c++ points to changes them, as an upgrade in place does.
+    shutil.which's answer (`name` itself if it has a directory part, else the first PATH
+    entry holding an executable non-directory of that name), found with one access() per
+    entry, which answers False rather than raising for the many entries that hold no such
+    file, instead of which's exists/access/isdir. The stat follows symlinks, so the
+    numbers are those of the real binary: switching what /usr/bin/c++ points to changes
+    them, as an upgrade in place does.
     """
-    path = shutil.which(name)
-    if path is None:
-        return None
-    st = os.stat(path)
-    return [path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    if os.path.dirname(name):
+        directories = [""]
+    else:
+        path = os.environ.get("PATH")
+        if path is None:
+            path = os.confstr("CS_PATH") if hasattr(os, "confstr") else os.defpath
+        directories = path.split(os.pathsep) if path else []
+    for directory in directories:
+        candidate = os.path.join(directory, name)
+        if os.access(candidate, os.X_OK):
+            try:
+                st = os.stat(candidate)
+            except OSError:  # removed since the access() call
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                return [candidate, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def identity() -> str:
-    """sha256 of what a record depends on besides the call: code, templates, versions, compilers."""
-    import torch
+    """sha256 of what a record depends on besides the call: code, templates, versions, compilers.
 
-    from . import render
+    The compilers are the host compiler and nvcc that PATH finds, the CUDA toolkit torch's
+    builder would use, and the nvcc inside it (the one kernelgen builds with, which is not
+    PATH's when CUDA_HOME names another toolkit).
+    """
+    import torch
 
     package = os.path.dirname(os.path.abspath(__file__))
     cxx, nvcc = _tool(config.host_compiler()), _tool("nvcc")
     home = config.cuda_home(nvcc[0] if nvcc else None)
+    home_nvcc = _tool(os.path.join(home, "bin", "nvcc")) if home else None
     ident = [FORMAT, __version__, sys.implementation.cache_tag, torch.__version__, torch.version.cuda,
-             _walk(package, ".py"), _walk(str(render.template_dir()), ".j2"), [cxx, nvcc],
+             _walk(package, ".py"), _walk(str(config.template_dir()), ".j2"), [cxx, nvcc, home_nvcc],
              str(home) if home else None]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()
 

@@ -9,16 +9,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._version import __version__
+from ._version import ABI_VERSION, __version__
+from .config import template_dir
 
 if TYPE_CHECKING:  # the spec module is only needed once something is rendered
     from .spec import ConvSpec
-
-# Bump when the binding's calling convention changes; part of every key.
-ABI_VERSION = 2
 
 
 class Rendered:
@@ -48,16 +45,6 @@ class Rendered:
             h.update(len(data).to_bytes(8, "little"))
             h.update(data)
         return h.hexdigest()
-
-
-def template_dir() -> Path:
-    """The templates shipped with the package, or the checkout's `templates/`."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "templates", here.parent / "templates"):
-        if (candidate / "binding.cpp.j2").is_file():
-            return candidate
-    raise FileNotFoundError(f"kernelgen's templates are missing (looked in {here / 'templates'} and "
-                            f"{here.parent / 'templates'}); reinstall the package")
 
 
 @functools.lru_cache(maxsize=None)

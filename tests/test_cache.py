@@ -267,8 +267,8 @@ def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
     assert second["compiles"] == 0 and second["cache_hits"] == 1
     assert not second["spec_loaded"] and not second["jinja_loaded"]
     # nor anything else that only a miss needs: every module imported adds to a warm start
-    needless = {"kernelgen." + m for m in ("spec", "checks", "dispatch", "families", "toolchain", "build", "errors",
-                                           "nn", "warm", "cli", "cache_admin")}
+    needless = {"kernelgen." + m for m in ("spec", "checks", "dispatch", "families", "render", "toolchain", "build",
+                                           "errors", "nn", "warm", "cli", "cache_admin")}
     assert not needless & set(second["modules"]), second["modules"]
     # a damaged record is ignored (and rewritten) rather than trusted
     for record in (root / "plans").glob("*.json"):
@@ -281,12 +281,12 @@ def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
 def test_plan_identity_follows_templates(tmp_path, monkeypatch):
     import shutil as _shutil
 
+    import kernelgen.config as config
     import kernelgen.plans as plans
-    import kernelgen.render as render_mod
 
     copy = tmp_path / "templates"
-    _shutil.copytree(render_mod.template_dir(), copy)
-    monkeypatch.setattr(render_mod, "template_dir", lambda: copy)
+    _shutil.copytree(config.template_dir(), copy)
+    monkeypatch.setattr(config, "template_dir", lambda: copy)
     plans.identity.cache_clear()
     try:
         before = plans.identity()
