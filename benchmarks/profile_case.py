@@ -1,15 +1,17 @@
 """One case, one precision, one implementation, run twice: a target for Nsight Compute.
 
-    python benchmarks/profile_case.py 63 tf32 kernelgen|torch [--tiles JSON] [--family NAME]
+    python benchmarks/profile_case.py 63 tf32 kernelgen|torch [--tiles JSON] [--family NAME] [--sass DIR]
 
 The first call compiles (or loads) and warms up; profile the second, e.g. with
-benchmarks/ncu_cases.sh. Inputs are random, as in bench_cases.py.
+benchmarks/ncu_cases.sh. Inputs are random, as in bench_cases.py. --sass DIR writes the machine code
+(cuobjdump -sass) of every kernelgen extension the process loaded to DIR/<case>_<precision>.sass.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("who", choices=("kernelgen", "torch"))
     ap.add_argument("--family")
     ap.add_argument("--tiles", type=json.loads)
+    ap.add_argument("--sass", type=Path, help="write the loaded kernels' SASS here")
     args = ap.parse_args(argv)
     c = CASES[args.case]
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
@@ -45,6 +48,16 @@ def main(argv=None) -> int:
         y = fn()
     torch.cuda.synchronize()
     print(f"{args.case} {args.precision} {args.who}: output {tuple(y.shape)} {y.dtype}, finite {bool(torch.isfinite(y).all())}")
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
+        loaded = sorted({line.split()[-1] for line in open("/proc/self/maps")
+                         if line.rstrip().endswith(".so") and "/entries/" in line})
+        with open(args.sass / f"{args.case}_{args.precision}.sass", "w") as f:
+            for so in loaded:
+                f.write(f"// {so}\n")
+                f.flush()
+                subprocess.run(["cuobjdump", "-sass", so], stdout=f, check=False)
+        print(f"SASS of {len(loaded)} extension(s) in {args.sass}")
     return 0
 
 

@@ -161,11 +161,34 @@ def make_staged_cases(n: int, seed: int = 2468) -> list[Case]:
     return cases
 
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-CASES = make_cases(N_CASES) + (make_wgmma_cases(48) if HOPPER else []) + make_staged_cases(48)
+def make_overlap_cases(n: int, seed: int = 1357) -> list[Case]:
+    """`wgmma` calls forced onto overlapped stores (tile overlap=1: a tile's staged rows leave
+    under the next tile's MMAs): short reductions in one stage, every alignment and dtype."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        groups = rng.choice([1, 1, 2])
+        dtype = rng.choice(["float32", "bfloat16", "float16"])
+        C = groups * rng.choice([4, 8, 16] if dtype == "float32" else [8, 16])
+        K = groups * rng.choice([64, 80, 128])
+        kernel = rng.choice([(3, 3), (1, 1), (3, 1), (2, 4)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 1)])
+        padding = rng.choice([0, 1, "same"]) if stride == (1, 1) else rng.choice([0, 1])
+        layout = rng.choice(["contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2, 3])
+        H, W = rng.randint(3, 40), max(rng.randint(3, 300), kernel[1])
+        cases.append(Case(3000 + idx, N, C, K, groups, kernel, stride, padding, (1, 1), rng.random() < 0.5,
+                          dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma",
+                          (("stage_out", 1), ("overlap", 1))))
+    return cases
 
-# `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone (the fixture below compiles
-# only what the selected cases need).
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) if HOPPER else []) +
+         make_staged_cases(48))
+
+# `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
+# ones (the fixture below compiles only what the selected cases need).
 
 
 def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):

@@ -67,20 +67,23 @@ class WgmmaFamily(Family):
         smem = 16 * ((wvec if wres else 0) + nbuf * slot)
         nth = 128 * (bm // 64)
         xpt = _ceil(xvec, nth)
-        # Staged epilogue (stage_out=1): per warp 16 rows (channels) of one output row.
+        # Staged epilogue (stage_out=1): per warp 16 rows (channels) of one output row, or of
+        # all TP output rows with overlap=1 (they leave under the next tile's MMAs).
+        overlap = bool(t.get("overlap", 0))
         esz = 4 if spec.dtype == "float32" else 2
         esrs = staged_row(tq, esz)
-        epi = (nth // 32) * 16 * esrs * esz if t.get("stage_out", 0) else 0
+        epi = (nth // 32) * (tp if overlap else 1) * 16 * esrs * esz if t.get("stage_out", 0) else 0
         smem += epi
         xasync = bool(t.get("async_x", 0)) and spec.dtype == "float32"  # no prefetch registers
         return {
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
-            "XASYNC": xasync,
+            "XASYNC": xasync, "OVERLAP": overlap,
             "EPI_BYTES": epi, "SMEM_BYTES": smem, "MINB": t["min_blocks"],
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec,
-            "REGS": tp * tq // 2 + (0 if xasync else 4 * xpt) + REG_OVERHEAD,
+            # + the staged input rows (register path) and, one stage per tile, each row's offset
+            "REGS": tp * tq // 2 + (0 if xasync else 4 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD,
         }
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
@@ -107,6 +110,9 @@ class WgmmaFamily(Family):
                               f"(one wgmma k-step: two 16-byte chunks)")
         if spec.kernel_size[0] % lay["KR"]:
             raise Unsupported("kernel rows per stage must divide the kernel height")
+        if lay["OVERLAP"] and not (lay["WRES"] and lay["STAGE_OUT"]):
+            raise Unsupported("overlap=1 needs stage_out=1 and the whole reduction in one stage (block_k "
+                              "covering the input channels of a group, full_kh=1)")
         if t["tile_p"] * t["tile_q"] > 256:
             raise Unsupported(f"a {t['tile_p']}x{t['tile_q']} pixel tile holds more than 128 accumulators "
                               f"per thread")
@@ -142,6 +148,10 @@ class WgmmaFamily(Family):
         - stage_out: the staged epilogue first for short reductions (memory-bound), last for
           long ones; async_x=1 (cp.async input) for float32: case 56 TF32 2.31 ms against
           2.89 register-staged (H100).
+        - overlap: never by default. It stages all of a tile's rows and stores them under the
+          next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
+          bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
+          stage_out=1 only).
         The first candidate that passes check_tiles wins.
         """
         if problem.arch not in ARCHS:
@@ -164,14 +174,15 @@ class WgmmaFamily(Family):
         k_total = spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1]
         shapes = [(r, tp, nb) for r in reductions for tp in (2, 1) for nb in r[2]]
         if k_total < 512:
-            order = [(so, *shape) for so in (1, 0) for shape in shapes]
+            order = [(so, 0, *shape) for so in (1, 0) for shape in shapes]
         else:
-            order = [(so, *shape) for shape in shapes for so in (0, 1)]
-        for stage, (ck, full, _slots), tp, nbuf in order:
+            order = [(so, 0, *shape) for shape in shapes for so in (0, 1)]
+        for stage, overlap, (ck, full, _slots), tp, nbuf in order:
             if ck > 128:
                 continue
             cand = {"block_m": bm, "tile_p": tp, "tile_q": tq, "block_k": ck, "full_kh": full, "nbuf": nbuf,
-                    "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"), **(fixed or {})}
+                    "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
+                    "overlap": overlap, **(fixed or {})}
             try:
                 self.check_tiles(spec, cand)
             except Unsupported:
@@ -185,7 +196,7 @@ wgmma = WgmmaFamily(
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
            "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": (3, 4, 5, 6),
-           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1)},
+           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1)},
 )
 
 FAMILIES = (wgmma,)
