@@ -60,11 +60,8 @@ TARGETS = {
 }
 
 
-def event_ms(fn, warmup: int = 10, reps: int = 40) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
+def _timed(fn, reps: int, times: list[float]) -> None:
+    """Appends the CUDA-event time of each of `reps` runs of fn, in ms."""
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -72,6 +69,14 @@ def event_ms(fn, warmup: int = 10, reps: int = 40) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+
+
+def event_ms(fn, warmup: int = 10, reps: int = 40) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    _timed(fn, reps, times)
     return statistics.median(times)
 
 
@@ -86,14 +91,8 @@ def paired_ms(fa, fb, rounds: int = 3, reps: int = 15) -> tuple[float, float]:
     ta: list[float] = []
     tb: list[float] = []
     for _ in range(rounds):
-        for f, times in ((fa, ta), (fb, tb)):
-            for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                f()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+        _timed(fa, reps, ta)
+        _timed(fb, reps, tb)
     return statistics.median(ta), statistics.median(tb)
 
 
