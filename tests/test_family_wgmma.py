@@ -77,13 +77,17 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype):
     lay = FAM.layout(spec)
     assert lay["SMEM_BYTES"] <= SMEM_LIMIT
     # Shared memory: resident weights (or none), the ring of stage slots (16-byte rows) and the
-    # staged epilogue's rows (16 channels per warp, of one output row, or of all TP with overlap).
+    # staged epilogue's rows (16 channels per computing warp, of one output row, or of all TP with
+    # overlap) and, with a producer warpgroup (ws), two mbarriers per slot.
     slot = (0 if lay["WRES"] else lay["WVEC"]) + lay["XVEC"]
     esize = 4 if dtype == "float32" else 2
     rows = lay["TP"] if lay["OVERLAP"] else 1
-    epi = lay["NTH"] // 32 * rows * 16 * lay["ESRS"] * esize if lay["STAGE_OUT"] else 0
+    consumers = lay["NTH"] - (128 if lay["WS"] else 0)
+    assert consumers == 128 * lay["NWG"] and lay["NTP"] == (128 if lay["WS"] else lay["NTH"])
+    epi = consumers // 32 * rows * 16 * lay["ESRS"] * esize if lay["STAGE_OUT"] else 0
     assert lay["EPI_BYTES"] == epi and lay["ESRS"] >= lay["TQ"] + 16 // esize
-    assert lay["SMEM_BYTES"] == 16 * ((lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot) + epi
+    assert lay["SMEM_BYTES"] == (16 * ((lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot) + epi +
+                                 (16 * lay["NBUF"] if lay["WS"] else 0))
     # The workspace holds every weight, padded to whole stages and m-blocks.
     cin_g, cout = spec.cin_per_group, spec.out_channels
     kh, kw = spec.kernel_size
@@ -121,6 +125,23 @@ def test_overlapped_stores_are_forced_only():
         assert lay["EPI_BYTES"] == lay["TP"] * FAM.layout(spec)["EPI_BYTES"]
 
 
+def test_short_reductions_take_the_producer_warpgroup():
+    # 63 (one stage per tile) runs warp-specialised by default: a producer warpgroup stages the
+    # input into a ring of 1-row tiles, as deep as fits; 56 (many stages) cannot, and says why.
+    for dtype, nbuf in (("float32", 3), ("bfloat16", 6)):
+        spec = _choose(**CASES["63"], dtype=dtype, family="wgmma")
+        t = dict(spec.tiles)
+        assert (t["ws"], t["tile_p"], t["nbuf"], t["overlap"]) == (1, 1, nbuf, 0)
+        lay = FAM.layout(spec)
+        assert lay["WS"] and lay["NTH"] == 384 and lay["NTP"] == 128 and lay["SMEM_BYTES"] <= SMEM_LIMIT
+    spec56 = _choose(**CASES["56"], family="wgmma")
+    assert dict(spec56.tiles)["ws"] == 0
+    with pytest.raises(Unsupported, match="ws=1"):
+        FAM.check_tiles(spec56, {**dict(spec56.tiles), "ws": 1})
+    with pytest.raises(Unsupported, match="exclusive"):
+        FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1})
+
+
 NVCC = shutil.which("nvcc")
 WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "float16": "k16.f32.f16.f16"}
 
@@ -129,7 +150,8 @@ WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "floa
 @pytest.mark.compile
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("case,dtype,tiles", [("56", "float32", None), ("56", "bfloat16", None), ("63", "float16", None),
-                                              ("63", "float32", {"overlap": 1}), ("87", "float32", None)])
+                                              ("63", "float32", None), ("63", "float32", {"overlap": 1}),
+                                              ("87", "float32", None)])
 def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
     spec = _choose(**CASES[case], dtype=dtype, family="wgmma", **({"tiles": tiles} if tiles else {}))
     src = tmp_path / "k.cu"

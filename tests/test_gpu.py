@@ -183,12 +183,36 @@ def make_overlap_cases(n: int, seed: int = 1357) -> list[Case]:
     return cases
 
 
+def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
+    """`wgmma` calls forced onto the producer warpgroup (tile ws=1: one warpgroup stages the
+    input, the others compute and store): short reductions in one stage, one or two consumer
+    warpgroups, partial channel blocks, every alignment and dtype, both output paths."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        groups = rng.choice([1, 1, 2])
+        dtype = rng.choice(["float32", "bfloat16", "float16"])
+        C = groups * rng.choice([4, 8, 16] if dtype == "float32" else [8, 16])
+        K = groups * rng.choice([64, 80, 128])
+        kernel = rng.choice([(3, 3), (1, 1), (3, 1), (2, 4)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 1)])
+        padding = rng.choice([0, 1, "same"]) if stride == (1, 1) else rng.choice([0, 1])
+        layout = rng.choice(["contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2, 3])
+        H, W = rng.randint(3, 40), max(rng.randint(3, 300), kernel[1])
+        cases.append(Case(4000 + idx, N, C, K, groups, kernel, stride, padding, (1, 1), rng.random() < 0.5,
+                          dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma",
+                          (("stage_out", rng.choice([0, 1, 1])), ("ws", 1))))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) if HOPPER else []) +
-         make_staged_cases(48))
+CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) if HOPPER
+                                else []) + make_staged_cases(48))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
-# ones (the fixture below compiles only what the selected cases need).
+# ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
+# cases need).
 
 
 def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):

@@ -17,6 +17,12 @@ covers the whole reduction the weights stay resident (a block keeps one group an
 and strides over its pixel tiles) and the ring holds only input halos. The weights are repacked once per call into the workspace, in
 shared-memory order and TF32-rounded, so a stage copies them with 16-byte cp.async.
 
+With one stage per tile the block may also be warp-specialised (tile `ws=1`): a third
+warpgroup, the producer, stages every tile's input into the ring and hands each slot over
+through mbarriers, while the consumer warpgroups only issue MMAs and store; they start half a
+tile apart, so one's MMAs run under the other's epilogue, and no block-wide barrier stands in
+the main loop.
+
 Layout constants come from `layout()`, the one place `check_tiles` and the template take
 them from.
 """
@@ -65,25 +71,30 @@ class WgmmaFamily(Family):
         nbuf = t["nbuf"]
         slot = (0 if wres else wvec) + xvec
         smem = 16 * ((wvec if wres else 0) + nbuf * slot)
-        nth = 128 * (bm // 64)
-        xpt = _ceil(xvec, nth)
+        ws = bool(t.get("ws", 0))  # warp-specialised: one producer warpgroup stages the input
+        ncon = 128 * (bm // 64)  # consumer threads: one warpgroup per 64 output channels
+        nth = ncon + (128 if ws else 0)
+        ntp = 128 if ws else nth  # threads that stage the input
+        xpt = _ceil(xvec, ntp)
         # Staged epilogue (stage_out=1): per warp 16 rows (channels) of one output row, or of
         # all TP output rows with overlap=1 (they leave under the next tile's MMAs).
         overlap = bool(t.get("overlap", 0))
         esz = 4 if spec.dtype == "float32" else 2
         esrs = staged_row(tq, esz)
-        epi = (nth // 32) * (tp if overlap else 1) * 16 * esrs * esz if t.get("stage_out", 0) else 0
-        smem += epi
+        epi = (ncon // 32) * (tp if overlap else 1) * 16 * esrs * esz if t.get("stage_out", 0) else 0
+        smem += epi + (16 * nbuf if ws else 0)  # ws: a full and an empty mbarrier per ring slot
         xasync = bool(t.get("async_x", 0)) and spec.dtype == "float32"  # no prefetch registers
         return {
-            "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
+            "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "WS": ws, "NTP": ntp, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
             "XASYNC": xasync, "OVERLAP": overlap,
             "EPI_BYTES": epi, "SMEM_BYTES": smem, "MINB": t["min_blocks"],
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec,
             # + the staged input rows (register path) and, one stage per tile, each row's offset
-            "REGS": tp * tq // 2 + (0 if xasync else 4 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD,
+            # (ws: the producer holds the rows and offsets, a consumer the accumulators; the larger)
+            "REGS": (max(tp * tq // 2, (0 if xasync else 8 * xpt) + 2 * xpt) if ws
+                     else tp * tq // 2 + (0 if xasync else 4 * xpt) + (2 * xpt if wres else 0)) + REG_OVERHEAD,
         }
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
@@ -110,6 +121,11 @@ class WgmmaFamily(Family):
                               f"(one wgmma k-step: two 16-byte chunks)")
         if spec.kernel_size[0] % lay["KR"]:
             raise Unsupported("kernel rows per stage must divide the kernel height")
+        if lay["WS"] and not lay["WRES"]:
+            raise Unsupported("ws=1 needs the whole reduction in one stage (block_k covering the input channels "
+                              "of a group, full_kh=1)")
+        if lay["WS"] and lay["OVERLAP"]:
+            raise Unsupported("ws=1 and overlap=1 are exclusive")
         if lay["OVERLAP"] and not (lay["WRES"] and lay["STAGE_OUT"]):
             raise Unsupported("overlap=1 needs stage_out=1 and the whole reduction in one stage (block_k "
                               "covering the input channels of a group, full_kh=1)")
@@ -148,6 +164,11 @@ class WgmmaFamily(Family):
         - stage_out: the staged epilogue first for short reductions (memory-bound), last for
           long ones; async_x=1 (cp.async input) for float32: case 56 TF32 2.31 ms against
           2.89 register-staged (H100).
+        - ws (warp specialisation): first for short reductions held in one stage, with
+          1-row tiles and the deepest ring that fits (6 slots down to 3): a producer
+          warpgroup stages the input while the two consumer warpgroups' MMAs and stores run
+          half a tile apart. Case 63 (H100): TF32 6.58 ms against 6.93, bf16 3.39 against
+          3.91 (2-row tiles, no producer); bf16 with 64-column tiles 7.1-9.2 ms.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -174,15 +195,16 @@ class WgmmaFamily(Family):
         k_total = spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1]
         shapes = [(r, tp, nb) for r in reductions for tp in (2, 1) for nb in r[2]]
         if k_total < 512:
-            order = [(so, 0, *shape) for so in (1, 0) for shape in shapes]
+            order = [(1, 1, reductions[0], 1, nb) for nb in (6, 5, 4, 3)]  # (ws: one stage per tile only)
+            order += [(so, 0, *shape) for so in (1, 0) for shape in shapes]
         else:
             order = [(so, 0, *shape) for shape in shapes for so in (0, 1)]
-        for stage, overlap, (ck, full, _slots), tp, nbuf in order:
+        for stage, ws, (ck, full, _slots), tp, nbuf in order:
             if ck > 128:
                 continue
             cand = {"block_m": bm, "tile_p": tp, "tile_q": tq, "block_k": ck, "full_kh": full, "nbuf": nbuf,
                     "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
-                    "overlap": overlap, **(fixed or {})}
+                    "overlap": 0, "ws": ws, **(fixed or {})}
             try:
                 self.check_tiles(spec, cand)
             except Unsupported:
@@ -196,7 +218,7 @@ wgmma = WgmmaFamily(
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
            "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": (3, 4, 5, 6),
-           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1)},
+           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1), "ws": (0, 1)},
 )
 
 FAMILIES = (wgmma,)
