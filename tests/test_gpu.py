@@ -203,6 +203,12 @@ def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
         cases.append(Case(4000 + idx, N, C, K, groups, kernel, stride, padding, (1, 1), rng.random() < 0.5,
                           dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma",
                           (("stage_out", rng.choice([0, 1, 1])), ("ws", 1))))
+    # float32 with rows, strides and padding in multiples of 4 columns: the producer's 16-byte
+    # loads (x_quads), also with a partial channel chunk (12), padding 4 and a cut last tile.
+    for idx, (C, K, kernel, padding, W) in enumerate([(16, 128, (3, 3), 0, 256), (12, 64, (3, 3), 4, 132),
+                                                      (8, 80, (1, 1), 0, 64), (16, 128, (2, 4), (1, 4), 300)]):
+        cases.append(Case(4100 + idx, 2, C, K, 1, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, "float32", "tf32",
+                          "contiguous", 9 + idx, W, "wgmma", (("stage_out", 1), ("ws", 1))))
     return cases
 
 

@@ -167,8 +167,9 @@ class WgmmaFamily(Family):
         - ws (warp specialisation): first for short reductions held in one stage, with
           1-row tiles and the deepest ring that fits (6 slots down to 3): a producer
           warpgroup stages the input while the two consumer warpgroups' MMAs and stores run
-          half a tile apart. Case 63 (H100): TF32 6.58 ms against 6.93, bf16 3.39 against
-          3.91 (2-row tiles, no producer); bf16 with 64-column tiles 7.1-9.2 ms.
+          half a tile apart. Case 63 (H100): TF32 6.58 ms against 6.93 (5.73-5.91 once the
+          producer loads float32 rows 16 bytes at a time), bf16 3.39 against 3.91 (2-row
+          tiles, no producer); bf16 with 64-column tiles 7.1-9.2 ms.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
