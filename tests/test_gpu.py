@@ -161,9 +161,9 @@ def make_staged_cases(n: int, seed: int = 2468) -> list[Case]:
     return cases
 
 
-def make_overlap_cases(n: int, seed: int = 1357) -> list[Case]:
-    """`wgmma` calls forced onto overlapped stores (tile overlap=1: a tile's staged rows leave
-    under the next tile's MMAs): short reductions in one stage, every alignment and dtype."""
+def make_one_stage_cases(n: int, seed: int, first: int, tiles) -> list[Case]:
+    """`wgmma` calls with short reductions held in one stage, every alignment and dtype, forced
+    onto the tiles `tiles(rng)` returns."""
     rng = random.Random(seed)
     cases = []
     for idx in range(n):
@@ -177,32 +177,23 @@ def make_overlap_cases(n: int, seed: int = 1357) -> list[Case]:
         layout = rng.choice(["contiguous", "contiguous", "strided_view"])
         N = rng.choice([0, 1, 2, 3])
         H, W = rng.randint(3, 40), max(rng.randint(3, 300), kernel[1])
-        cases.append(Case(3000 + idx, N, C, K, groups, kernel, stride, padding, (1, 1), rng.random() < 0.5,
-                          dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma",
-                          (("stage_out", 1), ("overlap", 1))))
+        bias = rng.random() < 0.5
+        cases.append(Case(first + idx, N, C, K, groups, kernel, stride, padding, (1, 1), bias,
+                          dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma", tiles(rng)))
     return cases
+
+
+def make_overlap_cases(n: int, seed: int = 1357) -> list[Case]:
+    """`wgmma` calls forced onto overlapped stores (tile overlap=1: a tile's staged rows leave
+    under the next tile's MMAs)."""
+    return make_one_stage_cases(n, seed, 3000, lambda rng: (("stage_out", 1), ("overlap", 1)))
 
 
 def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
     """`wgmma` calls forced onto the producer warpgroup (tile ws=1: one warpgroup stages the
-    input, the others compute and store): short reductions in one stage, one or two consumer
-    warpgroups, partial channel blocks, every alignment and dtype, both output paths."""
-    rng = random.Random(seed)
-    cases = []
-    for idx in range(n):
-        groups = rng.choice([1, 1, 2])
-        dtype = rng.choice(["float32", "bfloat16", "float16"])
-        C = groups * rng.choice([4, 8, 16] if dtype == "float32" else [8, 16])
-        K = groups * rng.choice([64, 80, 128])
-        kernel = rng.choice([(3, 3), (1, 1), (3, 1), (2, 4)])
-        stride = rng.choice([(1, 1), (1, 1), (2, 1)])
-        padding = rng.choice([0, 1, "same"]) if stride == (1, 1) else rng.choice([0, 1])
-        layout = rng.choice(["contiguous", "contiguous", "strided_view"])
-        N = rng.choice([0, 1, 2, 3])
-        H, W = rng.randint(3, 40), max(rng.randint(3, 300), kernel[1])
-        cases.append(Case(4000 + idx, N, C, K, groups, kernel, stride, padding, (1, 1), rng.random() < 0.5,
-                          dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma",
-                          (("stage_out", rng.choice([0, 1, 1])), ("ws", 1))))
+    input, the others compute and store): one or two consumer warpgroups, partial channel
+    blocks, both output paths."""
+    cases = make_one_stage_cases(n, seed, 4000, lambda rng: (("stage_out", rng.choice([0, 1, 1])), ("ws", 1)))
     # float32 with rows, strides and padding in multiples of 4 columns: the producer's 16-byte
     # loads (x_quads), also with a partial channel chunk (12), padding 4 and a cut last tile.
     for idx, (C, K, kernel, padding, W) in enumerate([(16, 128, (3, 3), 0, 256), (12, 64, (3, 3), 4, 132),
