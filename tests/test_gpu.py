@@ -203,9 +203,23 @@ def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
     return cases
 
 
+def make_ragged_cases() -> list[Case]:
+    """Staged float32 `wgmma` outputs whose rows do not all start on 16 bytes (the width-adaptive
+    stores): rows and planes 8 bytes off (8-byte stores), odd widths (4-byte stores) with a
+    last tile of one column, and the same without the producer warpgroup."""
+    cases = []
+    for idx, (C, K, kernel, padding, H, W, ws) in enumerate([(16, 128, (3, 3), 0, 13, 260, 1),
+                                                            (16, 64, (3, 3), 0, 14, 259, 1),
+                                                            (8, 128, (1, 1), 0, 15, 130, 1),
+                                                            (16, 128, (3, 3), 1, 16, 131, 0)]):
+        cases.append(Case(4200 + idx, 2, C, K, 1, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, "float32", "tf32",
+                          "contiguous", H, W, "wgmma", (("stage_out", 1), ("ws", ws))))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) if HOPPER
-                                else []) + make_staged_cases(48))
+CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
+                                make_ragged_cases() if HOPPER else []) + make_staged_cases(48))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -422,6 +436,7 @@ MEMCHECK = textwrap.dedent("""
             prec = dict(precision="tf32") if dtype == torch.float32 else {{}}
             run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, **prec)
             run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, tiles={{"stage_out": 0}}, **prec)
+            run("wgmma", dtype, (2, 16, 19, 133), (64, 16, 3, 3), **prec)  # rows 8 bytes off, a 2-column tile
             run("wgmma", dtype, (2, 48, 13, 40), (128, 48, 5, 7), stride=(2, 1), padding=(2, 0), **prec)
             run("wgmma", dtype, (2, 64, 9, 33), (192, 32, 1, 1), groups=2, **prec)
     torch.cuda.synchronize()
