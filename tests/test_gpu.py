@@ -217,9 +217,22 @@ def make_ragged_cases() -> list[Case]:
     return cases
 
 
+def make_wide_tile_cases() -> list[Case]:
+    """`wgmma` with 256-column tiles (the long reductions' first choice): both epilogues, float32
+    and bf16, a row that spills two columns into a second tile."""
+    cases = []
+    for idx, (dtype, stage_out, padding) in enumerate([("float32", 0, 0), ("float32", 1, 1), ("bfloat16", 0, 1),
+                                                       ("bfloat16", 1, 0)]):
+        cases.append(Case(4300 + idx, 2, 32, 128, 1, (3, 3), (1, 1), padding, (1, 1), idx % 2 == 1, dtype,
+                          "tf32" if dtype == "float32" else None, "contiguous", 17 + idx, 260, "wgmma",
+                          (("tile_p", 1), ("tile_q", 256), ("stage_out", stage_out))))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
-                                make_ragged_cases() if HOPPER else []) + make_staged_cases(48))
+                                make_ragged_cases() + make_wide_tile_cases() if HOPPER else []) +
+         make_staged_cases(48))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected

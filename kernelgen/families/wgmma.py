@@ -160,7 +160,9 @@ class WgmmaFamily(Family):
           kernel rows if they fit, else one kernel row per stage (5x7 weights for 16
           float32 channels are 286 KB). Case 56 (H100): two k-steps in 3 slots ran TF32
           2.72 ms and bf16 1.36 against 3.08 and 1.57 with one k-step in 4 slots.
-        - tile_p: 2 output rows (256 pixels: each staged weight feeds twice the MMAs), else 1.
+        - tile_p x tile_q: long reductions first try 1 x 256 (one m64n256 wgmma per weight
+          k-step) where 256-column tiles waste no more of a row than 128-column ones; then 2
+          output rows (256 pixels: each staged weight feeds twice the MMAs), else 1.
         - stage_out: the staged epilogue first for short reductions (memory-bound), last for
           long ones; async_x=1 (cp.async input) for float32: case 56 TF32 2.31 ms against
           2.89 register-staged (H100).
@@ -194,16 +196,23 @@ class WgmmaFamily(Family):
         # 8.0). Long ones are compute-bound and keep their ring slots (56 TF32 2.31 unstaged
         # against 2.76 staged with half the channels per stage).
         k_total = spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1]
-        shapes = [(r, tp, nb) for r in reductions for tp in (2, 1) for nb in r[2]]
+        # Pixel tiles (rows, columns). Compute-bound ones try a whole 256-column row first where
+        # rows are wide enough that 256-column tiles waste no more of a row than 128-column ones:
+        # one m64n256 wgmma reads a stage's weights once for 256 pixels, not twice. Case 56
+        # (250-wide rows, H100): TF32 2.31-2.46 ms against 2.56, bf16 1.32-1.33 against 1.35-1.38.
+        pixels = [(2, tq), (1, tq)]
+        if k_total >= 512 and problem.Q > 128 and _ceil(problem.Q, 256) * 256 <= _ceil(problem.Q, 128) * 128:
+            pixels.insert(0, (1, 256))
+        shapes = [(r, tp, tqs, nb) for r in reductions for tp, tqs in pixels for nb in r[2]]
         if k_total < 512:
-            order = [(1, 1, reductions[0], 1, nb) for nb in (6, 5, 4, 3)]  # (ws: one stage per tile only)
+            order = [(1, 1, reductions[0], 1, tq, nb) for nb in (6, 5, 4, 3)]  # (ws: one stage per tile only)
             order += [(so, 0, *shape) for so in (1, 0) for shape in shapes]
         else:
             order = [(so, 0, *shape) for shape in shapes for so in (0, 1)]
-        for stage, ws, (ck, full, _slots), tp, nbuf in order:
+        for stage, ws, (ck, full, _slots), tp, tqs, nbuf in order:
             if ck > 128:
                 continue
-            cand = {"block_m": bm, "tile_p": tp, "tile_q": tq, "block_k": ck, "full_kh": full, "nbuf": nbuf,
+            cand = {"block_m": bm, "tile_p": tp, "tile_q": tqs, "block_k": ck, "full_kh": full, "nbuf": nbuf,
                     "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
                     "overlap": 0, "ws": ws, **(fixed or {})}
             try:
