@@ -127,19 +127,35 @@ def test_overlapped_stores_are_forced_only():
 
 def test_short_reductions_take_the_producer_warpgroup():
     # 63 (one stage per tile) runs warp-specialised by default: a producer warpgroup stages the
-    # input into a ring of 1-row tiles, as deep as fits; 56 (many stages) cannot, and says why.
+    # input into a ring of 1-row tiles, as deep as fits, and every thread keeps its even share
+    # of registers.
     for dtype, nbuf in (("float32", 3), ("bfloat16", 6)):
         spec = _choose(**CASES["63"], dtype=dtype, family="wgmma")
         t = dict(spec.tiles)
         assert (t["ws"], t["tile_p"], t["nbuf"], t["overlap"]) == (1, 1, nbuf, 0)
         lay = FAM.layout(spec)
         assert lay["WS"] and lay["NTH"] == 384 and lay["NTP"] == 128 and lay["SMEM_BYTES"] <= SMEM_LIMIT
-    spec56 = _choose(**CASES["56"], family="wgmma")
-    assert dict(spec56.tiles)["ws"] == 0
-    with pytest.raises(Unsupported, match="ws=1"):
-        FAM.check_tiles(spec56, {**dict(spec56.tiles), "ws": 1})
+        assert lay["WRES"] and (lay["PREGS"], lay["CREGS"]) == (0, 0)
     with pytest.raises(Unsupported, match="exclusive"):
         FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1})
+
+
+def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
+    # 56 (20 stages a tile): the producer also copies each stage's weights, and the consumers'
+    # 1 x 256 tiles (128 accumulators a thread) take the registers the producer gives back.
+    for dtype, ck in (("float32", 16), ("bfloat16", 32)):
+        spec = _choose(**CASES["56"], dtype=dtype, family="wgmma")
+        t = dict(spec.tiles)
+        assert (t["ws"], t["tile_p"], t["tile_q"], t["block_k"], t["full_kh"], t["nbuf"]) == (1, 1, 256, ck, 0, 3)
+        lay = FAM.layout(spec)
+        assert not lay["WRES"] and lay["SPT"] == 64 // ck * 5 and lay["NTH"] == 384
+        # The launch gives 384 threads 168 registers each; the split stays within that pool.
+        assert 0 < lay["PREGS"] < 168 < lay["REGS"] <= lay["CREGS"]
+        assert 128 * lay["PREGS"] + 256 * lay["CREGS"] <= 384 * 168
+        assert lay["SMEM_BYTES"] == 16 * (3 * (lay["WVEC"] + lay["XVEC"]) + 3) <= SMEM_LIMIT  # ring + 6 mbarriers
+        # A split needs the whole register file: no second block.
+        with pytest.raises(Unsupported, match="min_blocks=1"):
+            FAM.check_tiles(spec, {**t, "min_blocks": 2})
 
 
 NVCC = shutil.which("nvcc")
@@ -149,7 +165,8 @@ WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "floa
 @pytest.mark.nvcc
 @pytest.mark.compile
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("case,dtype,tiles", [("56", "float32", None), ("56", "bfloat16", None), ("63", "float16", None),
+@pytest.mark.parametrize("case,dtype,tiles", [("56", "float32", None), ("56", "bfloat16", None),
+                                              ("56", "float16", {"ws": 0}), ("63", "float16", None),
                                               ("63", "float32", None), ("63", "float32", {"overlap": 1}),
                                               ("87", "float32", None)])
 def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
@@ -170,6 +187,10 @@ def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
     report = r.stdout + r.stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in report and " bytes spill stores" not in \
         report.replace("0 bytes spill stores", ""), report
+    # A register split is in the code where the layout asks for one, and only there.
+    lay = FAM.layout(spec)
+    assert ("setmaxnreg.inc.sync.aligned.u32 %d;" % lay["CREGS"] in text) == bool(lay["CREGS"])
+    assert ("setmaxnreg.dec.sync.aligned.u32 %d;" % lay["PREGS"] in text) == bool(lay["PREGS"])
     # ptxas says so when it must serialise wgmma (accumulators touched while one is in flight),
     # or wait for one where the code did not (63's overlapped stores must not).
     assert "serializ" not in report.lower() and "warpgroup.wait is injected" not in report, report

@@ -194,12 +194,45 @@ def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
     input, the others compute and store): one or two consumer warpgroups, partial channel
     blocks, both output paths."""
     cases = make_one_stage_cases(n, seed, 4000, lambda rng: (("stage_out", rng.choice([0, 1, 1])), ("ws", 1)))
-    # float32 with rows, strides and padding in multiples of 4 columns: the producer's 16-byte
-    # loads (x_quads), also with a partial channel chunk (12), padding 4 and a cut last tile.
-    for idx, (C, K, kernel, padding, W) in enumerate([(16, 128, (3, 3), 0, 256), (12, 64, (3, 3), 4, 132),
-                                                      (8, 80, (1, 1), 0, 64), (16, 128, (2, 4), (1, 4), 300)]):
-        cases.append(Case(4100 + idx, 2, C, K, 1, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, "float32", "tf32",
-                          "contiguous", 9 + idx, W, "wgmma", (("stage_out", 1), ("ws", 1))))
+    # Rows, strides and padding in multiples of 4 (float32) or 8 (16-bit) columns: the producer's
+    # 16-byte loads (x_groups), also with a partial channel chunk, padding and a cut last tile.
+    for idx, (dtype, C, K, kernel, padding, W) in enumerate([
+            ("float32", 16, 128, (3, 3), 0, 256), ("float32", 12, 64, (3, 3), 4, 132),
+            ("float32", 8, 80, (1, 1), 0, 64), ("float32", 16, 128, (2, 4), (1, 4), 300),
+            ("bfloat16", 16, 128, (3, 3), 0, 256), ("float16", 24, 64, (3, 3), 8, 136),
+            ("bfloat16", 8, 80, (1, 1), 0, 264), ("float16", 16, 128, (2, 4), (1, 8), 304)]):
+        cases.append(Case(4100 + idx, 2, C, K, 1, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, dtype,
+                          "tf32" if dtype == "float32" else None, "contiguous", 9 + idx % 4, W, "wgmma",
+                          (("stage_out", 1), ("ws", 1))))
+    return cases
+
+
+def make_ws_stage_cases(n: int, seed: int = 9753) -> list[Case]:
+    """`wgmma` calls forced onto the producer warpgroup with reductions of several stages (ws=1,
+    one k-step of channels a stage): the producer also starts each stage's weight copy, and the
+    consumers release slots stage by stage. 256-column tiles (the producer/consumer register
+    split) in some; every dtype, rows that allow the producer's 16-byte loads and rows that do
+    not, partial channel chunks, groups, row stride, dilation, padding, unbatched and strided."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        groups = rng.choice([1, 1, 2])
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        kstep = 8 if dtype == "float32" else 16
+        C = groups * rng.choice([12, 16, 24, 40] if dtype == "float32" else [24, 32, 48])
+        K = groups * rng.choice([64, 80, 128, 128])
+        kernel = rng.choice([(3, 3), (5, 7), (1, 1), (2, 4), (7, 7)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 1)])
+        dilation = rng.choice([(1, 1), (1, 1), (2, 1)])
+        padding = rng.choice([0, 0, 1, (2, 0), (1, 8)])
+        tiles = [("ws", 1), ("block_k", kstep)] + ([("tile_p", 1), ("tile_q", 256)] if rng.random() < 0.4 else [])
+        layout = rng.choice(["contiguous", "contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2])
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H = max(rng.randint(3, 20), eh)
+        W = max(rng.choice([rng.randint(3, 300), 64, 136, 264, 280]), ew)
+        cases.append(Case(4400 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
+                          dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma", tuple(tiles)))
     return cases
 
 
@@ -231,7 +264,8 @@ def make_wide_tile_cases() -> list[Case]:
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
-                                make_ragged_cases() + make_wide_tile_cases() if HOPPER else []) +
+                                make_ws_stage_cases(24) + make_ragged_cases() + make_wide_tile_cases()
+                                if HOPPER else []) +
          make_staged_cases(48))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped

@@ -17,11 +17,13 @@ covers the whole reduction the weights stay resident (a block keeps one group an
 and strides over its pixel tiles) and the ring holds only input halos. The weights are repacked once per call into the workspace, in
 shared-memory order and TF32-rounded, so a stage copies them with 16-byte cp.async.
 
-With one stage per tile the block may also be warp-specialised (tile `ws=1`): a third
-warpgroup, the producer, stages every tile's input into the ring and hands each slot over
-through mbarriers, while the consumer warpgroups only issue MMAs and store; they start half a
-tile apart, so one's MMAs run under the other's epilogue, and no block-wide barrier stands in
-the main loop.
+The block may also be warp-specialised (tile `ws=1`): a third warpgroup, the producer,
+stages every stage's input into the ring (and, when the weights are not resident, starts the
+stage's weight copy on the bulk-copy engine) and hands each slot over through mbarriers,
+while the consumer warpgroups only issue MMAs and store; no block-wide barrier stands in the
+main loop. With one stage per tile the consumers start half a tile apart, so one's MMAs run
+under the other's epilogue. Where a consumer's accumulators outgrow the launch's even share
+of registers (1 x 256 tiles), the producer gives some back (setmaxnreg).
 
 Layout constants come from `layout()`, the one place `check_tiles` and the template take
 them from.
@@ -40,9 +42,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SMEM_LIMIT = 227 * 1024  # per block, opt-in (H100)
 SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
-# Registers a thread may need: accumulators + staged input rows + this much for addresses.
+# Registers a thread may need: accumulators + staged input rows + this much for addresses (the
+# ws producer 16 more: case 56 bf16's, with both of its input paths, spilled with 128 and not
+# with 136).
 REG_OVERHEAD = 48
 MAX_REGS = 255
+REG_FILE = 65536  # 32-bit registers per SM
 ARCHS = ("sm_90a",)
 
 
@@ -84,17 +89,33 @@ class WgmmaFamily(Family):
         epi = (ncon // 32) * (tp if overlap else 1) * 16 * esrs * esz if t.get("stage_out", 0) else 0
         smem += epi + (16 * nbuf if ws else 0)  # ws: a full and an empty mbarrier per ring slot
         xasync = bool(t.get("async_x", 0)) and spec.dtype == "float32"  # no prefetch registers
+        # Registers a thread may need: accumulators, staged input rows, each row's offset (one
+        # stage per tile), and REG_OVERHEAD for addresses. ws: the producer holds the rows (4 * cpv
+        # per group of cpv columns, x_groups; or two sets of rows, 16-bit unaligned) and offsets,
+        # a consumer the accumulators.
+        acc = tp * tq // 2
+        if ws:
+            xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
+            prod = max(4 * cpv * xg, 0 if xasync else 8 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD + 16
+            regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
+            if nth * regs > REG_FILE:
+                # setmaxnreg: the producer keeps what it needs, the consumers share the rest of the
+                # launch's registers (each thread's even share, in multiples of 8).
+                pregs = max(24, 8 * _ceil(prod, 8))
+                cregs = min(MAX_REGS + 1, (nth * (REG_FILE // nth // 8 * 8) - 128 * pregs) // ncon // 8 * 8)
+                regs = acc + REG_OVERHEAD if acc + REG_OVERHEAD <= cregs else MAX_REGS + 1
+        else:
+            regs = acc + (0 if xasync else 4 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD
+            pregs = cregs = 0
         return {
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "WS": ws, "NTP": ntp, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
             "XASYNC": xasync, "OVERLAP": overlap,
-            "EPI_BYTES": epi, "SMEM_BYTES": smem, "MINB": t["min_blocks"],
+            "EPI_BYTES": epi, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec,
-            # + the staged input rows (register path) and, one stage per tile, each row's offset
-            # (ws: the producer holds the rows and offsets, a consumer the accumulators; the larger)
-            "REGS": (max(tp * tq // 2, (0 if xasync else 8 * xpt) + 2 * xpt) if ws
-                     else tp * tq // 2 + (0 if xasync else 4 * xpt) + (2 * xpt if wres else 0)) + REG_OVERHEAD,
+            # per thread (ws with a register split: a consumer's, within CREGS)
+            "REGS": regs,
         }
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
@@ -121,9 +142,8 @@ class WgmmaFamily(Family):
                               f"(one wgmma k-step: two 16-byte chunks)")
         if spec.kernel_size[0] % lay["KR"]:
             raise Unsupported("kernel rows per stage must divide the kernel height")
-        if lay["WS"] and not lay["WRES"]:
-            raise Unsupported("ws=1 needs the whole reduction in one stage (block_k covering the input channels "
-                              "of a group, full_kh=1)")
+        if lay["CREGS"] and t["min_blocks"] > 1:
+            raise Unsupported("a ws register split (setmaxnreg) needs min_blocks=1")
         if lay["WS"] and lay["OVERLAP"]:
             raise Unsupported("ws=1 and overlap=1 are exclusive")
         if lay["OVERLAP"] and not (lay["WRES"] and lay["STAGE_OUT"]):
@@ -140,7 +160,7 @@ class WgmmaFamily(Family):
         if t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
             raise Unsupported(f"min_blocks={t['min_blocks']} blocks of {lay['SMEM_BYTES']} bytes of shared "
                               f"memory do not fit one SM")
-        if lay["REGS"] > MAX_REGS or t["min_blocks"] * lay["NTH"] * min(lay["REGS"], MAX_REGS) > 65536:
+        if lay["REGS"] > MAX_REGS or (not lay["CREGS"] and t["min_blocks"] * lay["NTH"] * lay["REGS"] > REG_FILE):
             raise Unsupported(f"tiles need about {lay['REGS']} registers per thread; shrink the pixel tile "
                               f"or block_k")
 
@@ -171,7 +191,12 @@ class WgmmaFamily(Family):
           warpgroup stages the input while the two consumer warpgroups' MMAs and stores run
           half a tile apart. Case 63 (H100): TF32 6.58 ms against 6.93 (5.73-5.91 once the
           producer loads float32 rows 16 bytes at a time), bf16 3.39 against 3.91 (2-row
-          tiles, no producer); bf16 with 64-column tiles 7.1-9.2 ms.
+          tiles, no producer); bf16 with 64-column tiles 7.1-9.2 ms. Long reductions try
+          it first too, in the same shapes as without: the producer also starts each
+          stage's weight copy and runs up to two stages ahead, with no block-wide barrier
+          (a 1 x 256 tile's 128 accumulators a consumer thread take the producer's spare
+          registers, setmaxnreg). Case 56 (H100): TF32 1.94-2.00 ms against 2.28-2.41, bf16
+          1.10-1.11 against 1.31-1.35.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -205,10 +230,10 @@ class WgmmaFamily(Family):
             pixels.insert(0, (1, 256))
         shapes = [(r, tp, tqs, nb) for r in reductions for tp, tqs in pixels for nb in r[2]]
         if k_total < 512:
-            order = [(1, 1, reductions[0], 1, tq, nb) for nb in (6, 5, 4, 3)]  # (ws: one stage per tile only)
+            order = [(1, 1, reductions[0], 1, tq, nb) for nb in (6, 5, 4, 3)]
             order += [(so, 0, *shape) for so in (1, 0) for shape in shapes]
         else:
-            order = [(so, 0, *shape) for shape in shapes for so in (0, 1)]
+            order = [(0, 1, *shape) for shape in shapes] + [(so, 0, *shape) for shape in shapes for so in (0, 1)]
         for stage, ws, (ck, full, _slots), tp, tqs, nbuf in order:
             if ck > 128:
                 continue
