@@ -158,6 +158,20 @@ def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
             FAM.check_tiles(spec, {**t, "min_blocks": 2})
 
 
+def test_a_register_split_only_ever_moves_registers_from_the_producer():
+    # ptxas refuses a producer setmaxnreg.dec above the kernel's own count: where the producer
+    # needs more than its even share (big 16-bit halos staged through registers), there is no
+    # split, and tiles that do not fit without one are refused.
+    spec = _choose(x=(2, 64, 40, 70), w=(80, 64, 3, 3), dtype="bfloat16", stride=(2, 1), family="wgmma")
+    big = {**dict(spec.tiles), "ws": 1, "block_k": 64, "full_kh": 1, "tile_p": 1, "tile_q": 64, "nbuf": 3,
+           "stage_out": 0}
+    assert dict(spec.tiles) != big  # the dispatcher moved on
+    lay = FAM.layout(spec, big)
+    assert (lay["PREGS"], lay["CREGS"]) == (0, 0) and lay["NTH"] * lay["REGS"] > 65536
+    with pytest.raises(Unsupported, match="registers"):
+        FAM.check_tiles(spec, big)
+
+
 NVCC = shutil.which("nvcc")
 WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "float16": "k16.f32.f16.f16"}
 

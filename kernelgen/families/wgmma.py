@@ -100,10 +100,15 @@ class WgmmaFamily(Family):
             regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
             if nth * regs > REG_FILE:
                 # setmaxnreg: the producer keeps what it needs, the consumers share the rest of the
-                # launch's registers (each thread's even share, in multiples of 8).
+                # launch's registers (each thread's even share, in multiples of 8). Only that way
+                # round: ptxas refuses a producer "decrease" above the kernel's own count.
+                share = REG_FILE // nth // 8 * 8
                 pregs = max(24, 8 * _ceil(prod, 8))
-                cregs = min(MAX_REGS + 1, (nth * (REG_FILE // nth // 8 * 8) - 128 * pregs) // ncon // 8 * 8)
-                regs = acc + REG_OVERHEAD if acc + REG_OVERHEAD <= cregs else MAX_REGS + 1
+                cregs = min(MAX_REGS + 1, (nth * share - 128 * pregs) // ncon // 8 * 8)
+                if pregs < share and acc + REG_OVERHEAD <= cregs:
+                    regs = acc + REG_OVERHEAD
+                else:
+                    pregs = cregs = 0  # no split helps: `regs` stays over the budget
         else:
             regs = acc + (0 if xasync else 4 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD
             pregs = cregs = 0
