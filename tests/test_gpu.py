@@ -459,8 +459,10 @@ MEMCHECK = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch, kernelgen
     from kernelgen.families import all_families
-    def run(family, dtype, x_shape, w_shape, **kw):
-        x = torch.randn(*x_shape, device="cuda", dtype=dtype)[..., 1:]  # an offset view: unaligned rows
+    def run(family, dtype, x_shape, w_shape, view=True, **kw):
+        x = torch.randn(*x_shape, device="cuda", dtype=dtype)
+        if view:
+            x = x[..., 1:]  # an offset view: unaligned rows
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
         kernelgen.conv2d(x, w, b, family=family, **kw)
@@ -486,6 +488,10 @@ MEMCHECK = textwrap.dedent("""
             run("wgmma", dtype, (2, 16, 19, 133), (64, 16, 3, 3), **prec)  # rows 8 bytes off, a 2-column tile
             run("wgmma", dtype, (2, 48, 13, 40), (128, 48, 5, 7), stride=(2, 1), padding=(2, 0), **prec)
             run("wgmma", dtype, (2, 64, 9, 33), (192, 32, 1, 1), groups=2, **prec)
+            # Several stages a tile through the producer, 16-byte loads (aligned rows), a partial
+            # channel chunk, and 1 x 256 tiles (the register split).
+            run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
+                tiles={{"tile_p": 1, "tile_q": 256}}, **prec)
     torch.cuda.synchronize()
     print("memcheck script done")
 """)
