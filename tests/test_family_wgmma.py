@@ -50,7 +50,8 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     spec63 = _choose(**CASES["63"])
     assert spec63.family == "wgmma"
     assert dict(spec63.tiles)["stage_out"] == 1 and dict(spec63.tiles)["async_x"] == 1
-    assert dict(_choose(**CASES["56"]).tiles)["stage_out"] == 0  # compute-bound: ring slots first
+    # compute-bound: ring slots first, the output staged in the ring's held slots
+    assert FAM.layout(_choose(**CASES["56"]))["RSTAGE"]
     assert _choose(**CASES["63"], math="ieee").family == "igemm"
     assert _choose(**CASES["87"]).family == "pointwise"
     assert _choose(**CASES["56"], dtype="float64", math="ieee").family == "direct"
@@ -85,6 +86,9 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype):
     consumers = lay["NTH"] - (128 if lay["WS"] else 0)
     assert consumers == 128 * lay["NWG"] and lay["NTP"] == (128 if lay["WS"] else lay["NTH"])
     epi = consumers // 32 * rows * 16 * lay["ESRS"] * esize if lay["STAGE_OUT"] else 0
+    if lay["RSTAGE"]:  # staged in the ring instead: a slot holds a warpgroup's rows
+        assert lay["WS"] and not lay["WRES"] and 4 * 16 * lay["ESRS"] * esize <= 16 * slot
+        epi = 0
     assert lay["EPI_BYTES"] == epi and lay["ESRS"] >= lay["TQ"] + 16 // esize
     assert lay["SMEM_BYTES"] == (16 * ((lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot) + epi +
                                  (16 * lay["NBUF"] if lay["WS"] else 0))
@@ -149,6 +153,8 @@ def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
         assert (t["ws"], t["tile_p"], t["tile_q"], t["block_k"], t["full_kh"], t["nbuf"]) == (1, 1, 256, ck, 0, 3)
         lay = FAM.layout(spec)
         assert not lay["WRES"] and lay["SPT"] == 64 // ck * 5 and lay["NTH"] == 384
+        # The staged epilogue, in the ring: no staging area of its own.
+        assert t["stage_out"] == 1 and lay["RSTAGE"] and lay["EPI_BYTES"] == 0
         # The launch gives 384 threads 168 registers each; the split stays within that pool.
         assert 0 < lay["PREGS"] < 168 < lay["REGS"] <= lay["CREGS"]
         assert 128 * lay["PREGS"] + 256 * lay["CREGS"] <= 384 * 168

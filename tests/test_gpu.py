@@ -490,8 +490,10 @@ MEMCHECK = textwrap.dedent("""
             run("wgmma", dtype, (2, 64, 9, 33), (192, 32, 1, 1), groups=2, **prec)
             # Several stages a tile through the producer, 16-byte loads (aligned rows), a partial
             # channel chunk, and 1 x 256 tiles (the register split).
-            run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
-                tiles={{"tile_p": 1, "tile_q": 256}}, **prec)
+            # Output staged in the ring's held slots (the default) and stored from the fragments.
+            for so in (1, 0):
+                run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
+                    tiles={{"tile_p": 1, "tile_q": 256, "stage_out": so}}, **prec)
     torch.cuda.synchronize()
     print("memcheck script done")
 """)

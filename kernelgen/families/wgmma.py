@@ -87,6 +87,11 @@ class WgmmaFamily(Family):
         esz = 4 if spec.dtype == "float32" else 2
         esrs = staged_row(tq, esz)
         epi = (ncon // 32) * (tp if overlap else 1) * 16 * esrs * esz if t.get("stage_out", 0) else 0
+        # ws with several stages a tile stages its output in the ring instead (RSTAGE): each
+        # consumer warpgroup in the slot of one of the tile's last stages, held until it is out.
+        rstage = bool(epi) and ws and not wres and spt >= bm // 64 and 4 * 16 * esrs * esz <= 16 * slot
+        if rstage:
+            epi = 0
         smem += epi + (16 * nbuf if ws else 0)  # ws: a full and an empty mbarrier per ring slot
         xasync = bool(t.get("async_x", 0)) and spec.dtype == "float32"  # no prefetch registers
         # Registers a thread may need: accumulators, staged input rows, each row's offset (one
@@ -117,7 +122,7 @@ class WgmmaFamily(Family):
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
             "XASYNC": xasync, "OVERLAP": overlap,
-            "EPI_BYTES": epi, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
+            "EPI_BYTES": epi, "RSTAGE": rstage, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec,
             # per thread (ws with a register split: a consumer's, within CREGS)
             "REGS": regs,
@@ -201,7 +206,10 @@ class WgmmaFamily(Family):
           stage's weight copy and runs up to two stages ahead, with no block-wide barrier
           (a 1 x 256 tile's 128 accumulators a consumer thread take the producer's spare
           registers, setmaxnreg). Case 56 (H100): TF32 1.94-2.00 ms against 2.28-2.41, bf16
-          1.10-1.11 against 1.31-1.35.
+          1.10-1.11 against 1.31-1.35. There the staged epilogue comes first where it can
+          stage in the ring (RSTAGE: each consumer warpgroup in the slot of one of the
+          tile's last stages): 56 TF32 1.94-1.95 against 1.96-1.98 stored from the
+          fragments, bf16 1.04-1.05 against 1.09-1.11.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -238,7 +246,8 @@ class WgmmaFamily(Family):
             order = [(1, 1, reductions[0], 1, tq, nb) for nb in (6, 5, 4, 3)]
             order += [(so, 0, *shape) for so in (1, 0) for shape in shapes]
         else:
-            order = [(0, 1, *shape) for shape in shapes] + [(so, 0, *shape) for shape in shapes for so in (0, 1)]
+            order = [(so, 1, *shape) for so in (1, 0) for shape in shapes]
+            order += [(so, 0, *shape) for shape in shapes for so in (0, 1)]
         for stage, ws, (ck, full, _slots), tp, tqs, nbuf in order:
             if ck > 128:
                 continue
@@ -249,6 +258,8 @@ class WgmmaFamily(Family):
                 self.check_tiles(spec, cand)
             except Unsupported:
                 continue
+            if k_total >= 512 and ws and stage and not self.layout(spec, cand)["RSTAGE"]:
+                continue  # measured only with the output staged in the ring
             return cand
         raise Unsupported(f"wgmma: no tile configuration fits {spec.summary()}")
 
