@@ -258,8 +258,9 @@ class WgmmaFamily(Family):
                 self.check_tiles(spec, cand)
             except Unsupported:
                 continue
-            if k_total >= 512 and ws and stage and not self.layout(spec, cand)["RSTAGE"]:
-                continue  # measured only with the output staged in the ring
+            if (k_total >= 512 and cand["ws"] and cand["stage_out"] and "stage_out" not in (fixed or {})
+                    and not self.layout(spec, cand)["RSTAGE"]):
+                continue  # long ws reductions: staged output measured only when staged in the ring
             return cand
         raise Unsupported(f"wgmma: no tile configuration fits {spec.summary()}")
 
