@@ -248,9 +248,10 @@ class WgmmaFamily(Family):
         else:
             order = [(so, 1, *shape) for so in (1, 0) for shape in shapes]
             order += [(so, 0, *shape) for shape in shapes for so in (0, 1)]
+        forced_ws = (fixed or {}).get("ws")
         for stage, ws, (ck, full, _slots), tp, tqs, nbuf in order:
-            if ck > 128:
-                continue
+            if ck > 128 or (k_total >= 512 and ws and forced_ws == 0):
+                continue  # (a caller who forces ws=0 gets the order without a producer)
             cand = {"block_m": bm, "tile_p": tp, "tile_q": tqs, "block_k": ck, "full_kh": full, "nbuf": nbuf,
                     "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
                     "overlap": 0, "ws": ws, **(fixed or {})}
