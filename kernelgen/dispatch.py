@@ -4,11 +4,12 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
 
 1. depthwise: groups == in_channels (any channel multiplier). A bandwidth-bound
    stencil; the tensor-core GEMMs would run at K = kh*kw, far too thin to pay.
-2. wgmma (sm_90a only): float32 with TF32 allowed, bf16 and fp16, column stride 1, at
-   least 64 output channels per group, one full wgmma k-step of input channels per
-   group (8 float32, 16 bf16/fp16) and a reduction CIN_G*KH*KW >= 128:
-   Hopper's warpgroup MMA reads both operands from shared memory, which mma.sync
-   cannot; compute-bound shapes gain most.
+2. wgmma (sm_90a only): float32 (TF32, or strict as 3xTF32), bf16 and fp16, column
+   stride 1, at least 64 output channels per group, one full wgmma k-step of input
+   channels per group (8 float32, 16 bf16/fp16) and a reduction CIN_G*KH*KW >= 128
+   (>= 64 for strict float32): Hopper's warpgroup MMA reads both operands from shared
+   memory, which mma.sync cannot; compute-bound shapes gain most, and 3xTF32's three
+   products a k-step make strict float32 compute-bound even at 1x1.
 3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
 4. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
@@ -101,7 +102,9 @@ def _worth_it(name: str, spec: ConvSpec) -> bool:
         kh, kw = spec.kernel_size
         # Reductions of 128 and more. H100: case 56 (64x5x7) TF32 2.31 ms vs igemm 7.23, bf16 1.39
         # vs 5.67; case 63 (16x3x3) TF32 7.34 vs igemm 8.54, bf16 4.62 vs 6.33 (both staged);
-        # case 87 (64x1x1) TF32 9.1 vs pointwise 4.7, bf16 4.8 vs 3.1 (before staging).
+        # case 87 (64x1x1) TF32 9.1 vs pointwise 4.7, bf16 4.8 vs 3.1 (before staging; 5.00 vs
+        # 4.79 since). Strict float32 (3xTF32) from 64: case 87 5.42 vs pointwise 6.47.
+        strict = spec.dtype == "float32" and spec.math == "ieee"
         return (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
-                and spec.cin_per_group * kh * kw >= 128)
+                and spec.cin_per_group * kh * kw >= (64 if strict else 128))
     return True

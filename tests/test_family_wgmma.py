@@ -16,7 +16,7 @@ import pytest
 from kernelgen import dispatch
 from kernelgen.errors import Unsupported
 from kernelgen.families import get_family
-from kernelgen.families.wgmma import SMEM_LIMIT
+from kernelgen.families.wgmma import FLUSH_K, SMEM_LIMIT
 from kernelgen.render import render
 from kernelgen.spec import ConvSpec, Problem
 from kernelgen.toolchain import CUDA_CFLAGS_BASE
@@ -46,19 +46,25 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     assert _choose(**CASES["56"]).family == "wgmma"
     assert _choose(**CASES["56"], dtype="bfloat16").family == "wgmma"
     assert _choose(**CASES["63"], dtype="bfloat16").family == "wgmma"
-    # 63 (16x3x3): staged epilogue and cp.async input; strict float32 stays with 3xTF32.
+    # 63 (16x3x3): staged epilogue and cp.async input.
     spec63 = _choose(**CASES["63"])
     assert spec63.family == "wgmma"
     assert dict(spec63.tiles)["stage_out"] == 1 and dict(spec63.tiles)["async_x"] == 1
     # compute-bound: ring slots first, the output staged in the ring's held slots
     assert FAM.layout(_choose(**CASES["56"]))["RSTAGE"]
-    assert _choose(**CASES["63"], math="ieee").family == "igemm"
+    # Strict float32 runs 3xTF32 on wgmma, down to 1x1 (87), where TF32 keeps mma.sync.
+    assert _choose(**CASES["63"], math="ieee").family == "wgmma"
     assert _choose(**CASES["87"]).family == "pointwise"
+    assert _choose(**CASES["87"], math="ieee").family == "wgmma"
+    assert _choose(**CASES["87"], dtype="bfloat16").family == "pointwise"
     assert _choose(**CASES["56"], dtype="float64", math="ieee").family == "direct"
     assert _choose(**CASES["56"], arch="sm_80").family == "igemm"
     assert _choose(**CASES["56"], arch="").family == "igemm"
-    # Strict float32 stays with 3xTF32 mma.sync; a column stride other than 1 cannot use the halo trick.
-    assert _choose(**CASES["56"], math="ieee").family == "igemm"
+    # Off Hopper strict float32 runs 3xTF32 on mma.sync; a column stride other than 1 cannot use
+    # the halo trick.
+    assert _choose(**CASES["56"], math="ieee").family == "wgmma"
+    assert _choose(**CASES["56"], math="ieee", arch="sm_80").family == "igemm"
+    assert _choose(**CASES["87"], math="ieee", arch="sm_80").family == "pointwise"
     assert _choose(**CASES["56"], stride=(1, 2)).family == "igemm"
 
 
@@ -67,20 +73,22 @@ def test_refusals_say_why():
         _choose(**CASES["56"], arch="sm_80", family="wgmma")
     with pytest.raises(Exception, match="column stride"):
         _choose(**CASES["56"], stride=(1, 2), family="wgmma")
-    with pytest.raises(Exception, match="TF32"):
-        _choose(**CASES["56"], math="ieee", family="wgmma")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_forced_tiles_fit_and_layout_agrees(case, dtype):
-    spec = _choose(**CASES[case], dtype=dtype, family="wgmma")
+@pytest.mark.parametrize("dtype,math", [("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee"),
+                                        ("float16", "ieee")])
+def test_forced_tiles_fit_and_layout_agrees(case, dtype, math):
+    spec = _choose(**CASES[case], dtype=dtype, math=math, family="wgmma")
     lay = FAM.layout(spec)
+    # 3xTF32 stages every operand twice (its TF32 rounding, then the rounding of the rest).
+    nspl = 2 if lay["SPLIT3"] else 1
+    assert lay["SPLIT3"] == (dtype == "float32" and math == "ieee")
     assert lay["SMEM_BYTES"] <= SMEM_LIMIT
     # Shared memory: resident weights (or none), the ring of stage slots (16-byte rows) and the
     # staged epilogue's rows (16 channels per computing warp, of one output row, or of all TP with
     # overlap) and, with a producer warpgroup (ws), two mbarriers per slot.
-    slot = (0 if lay["WRES"] else lay["WVEC"]) + lay["XVEC"]
+    slot = nspl * ((0 if lay["WRES"] else lay["WVEC"]) + lay["XVEC"])
     esize = 4 if dtype == "float32" else 2
     rows = lay["TP"] if lay["OVERLAP"] else 1
     consumers = lay["NTH"] - (128 if lay["WS"] else 0)
@@ -90,13 +98,13 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype):
         assert lay["WS"] and not lay["WRES"] and 4 * 16 * lay["ESRS"] * esize <= 16 * slot
         epi = 0
     assert lay["EPI_BYTES"] == epi and lay["ESRS"] >= lay["TQ"] + 16 // esize
-    assert lay["SMEM_BYTES"] == (16 * ((lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot) + epi +
+    assert lay["SMEM_BYTES"] == (16 * ((nspl * lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot) + epi +
                                  (16 * lay["NBUF"] if lay["WS"] else 0))
     # The workspace holds every weight, padded to whole stages and m-blocks.
     cin_g, cout = spec.cin_per_group, spec.out_channels
     kh, kw = spec.kernel_size
     assert lay["WORKSPACE_BYTES"] >= cout * cin_g * kh * kw * esize
-    assert lay["WORKSPACE_BYTES"] == 16 * spec.groups * lay["MB"] * lay["SPT"] * lay["WVEC"]
+    assert lay["WORKSPACE_BYTES"] == 16 * spec.groups * lay["MB"] * lay["SPT"] * nspl * lay["WVEC"]
     assert lay["CK"] % (2 * lay["CPV"]) == 0 and lay["CK"] * esize == 16 * lay["NCH"]
 
 
@@ -164,6 +172,32 @@ def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
             FAM.check_tiles(spec, {**t, "min_blocks": 2})
 
 
+def test_strict_float32_runs_3xtf32_with_partial_sums_over_long_reductions():
+    # 56 (2240-long reduction, 40 stages a tile): per-stage partial sums double the accumulators,
+    # so 1 x 128 tiles, with the consumers' registers from the producer.
+    spec = _choose(**CASES["56"], math="ieee")
+    t, lay = dict(spec.tiles), FAM.layout(spec)
+    assert (t["ws"], t["tile_p"], t["tile_q"], t["block_k"], t["full_kh"]) == (1, 1, 128, 8, 0)
+    assert lay["SPLIT3"] and lay["FLUSH"] and lay["RSTAGE"] and lay["REGS"] == 64 * 2 + 48 <= lay["CREGS"]
+    with pytest.raises(Unsupported, match="registers"):
+        FAM.check_tiles(spec, {**t, "tile_q": 256})
+    # 63 and 87 (one stage a tile, reductions of 144 and 64): no partial sums; the resident
+    # weight pair (147 KB for 63) leaves room for 64-column tiles, 63's stored from fragments.
+    for case, stage_out in (("63", 0), ("87", 1)):
+        spec = _choose(**CASES[case], math="ieee")
+        t, lay = dict(spec.tiles), FAM.layout(spec)
+        assert (t["ws"], t["tile_q"], t["stage_out"]) == (1, 64, stage_out)
+        assert lay["SPLIT3"] and lay["WRES"] and not lay["FLUSH"] and lay["SMEM_BYTES"] <= SMEM_LIMIT
+    # A short reduction over several stages sums in one accumulator too; a long one does not.
+    short = _choose(x=(2, 16, 40, 70), w=(128, 16, 3, 3), math="ieee", family="wgmma", tiles={"block_k": 8})
+    assert FAM.layout(short)["SPT"] > 1 and 16 * 9 <= FLUSH_K and not FAM.layout(short)["FLUSH"]
+    long = _choose(x=(2, 40, 40, 70), w=(128, 40, 3, 3), math="ieee", family="wgmma", tiles={"block_k": 8})
+    assert FAM.layout(long)["SPT"] > 1 and 40 * 9 > FLUSH_K and FAM.layout(long)["FLUSH"]
+    # TF32 and 16-bit specs never split.
+    assert not FAM.layout(_choose(**CASES["56"]))["SPLIT3"]
+    assert not FAM.layout(_choose(**CASES["56"], dtype="bfloat16"))["SPLIT3"]
+
+
 def test_a_register_split_only_ever_moves_registers_from_the_producer():
     # ptxas refuses a producer setmaxnreg.dec above the kernel's own count: where the producer
     # needs more than its even share (big 16-bit halos staged through registers), there is no
@@ -188,9 +222,12 @@ WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "floa
 @pytest.mark.parametrize("case,dtype,tiles", [("56", "float32", None), ("56", "bfloat16", None),
                                               ("56", "float16", {"ws": 0}), ("63", "float16", None),
                                               ("63", "float32", None), ("63", "float32", {"overlap": 1}),
-                                              ("87", "float32", None)])
+                                              ("87", "float32", None), ("56", "ieee", None), ("63", "ieee", None),
+                                              ("87", "ieee", None), ("56", "ieee", {"ws": 0})])
 def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
-    spec = _choose(**CASES[case], dtype=dtype, family="wgmma", **({"tiles": tiles} if tiles else {}))
+    math = "ieee" if dtype == "ieee" else "tf32"  # "ieee": strict float32, 3xTF32
+    dtype = "float32" if dtype == "ieee" else dtype
+    spec = _choose(**CASES[case], dtype=dtype, math=math, family="wgmma", **({"tiles": tiles} if tiles else {}))
     src = tmp_path / "k.cu"
     src.write_text(render(spec).cuda)
     ptx = tmp_path / "k.ptx"
@@ -207,8 +244,10 @@ def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
     report = r.stdout + r.stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in report and " bytes spill stores" not in \
         report.replace("0 bytes spill stores", ""), report
-    # A register split is in the code where the layout asks for one, and only there.
     lay = FAM.layout(spec)
+    # Per-stage partial sums start each stage with a wgmma that overwrites (scale-d 0), only there.
+    assert ("setp.ne.b32 p, 0, 0;" in text) == lay["FLUSH"]
+    # A register split is in the code where the layout asks for one, and only there.
     assert ("setmaxnreg.inc.sync.aligned.u32 %d;" % lay["CREGS"] in text) == bool(lay["CREGS"])
     assert ("setmaxnreg.dec.sync.aligned.u32 %d;" % lay["PREGS"] in text) == bool(lay["PREGS"])
     # ptxas says so when it must serialise wgmma (accumulators touched while one is in flight),

@@ -236,6 +236,33 @@ def make_ws_stage_cases(n: int, seed: int = 9753) -> list[Case]:
     return cases
 
 
+def make_split_cases(n: int, seed: int = 5791) -> list[Case]:
+    """Strict float32 on `wgmma` (3xTF32: both operands staged as a TF32 pair): one stage or
+    several, with the producer warpgroup or without, the staged epilogue or fragment stores, and
+    reductions long enough (> 256 over several stages) for per-stage partial sums (FLUSH)."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        groups = rng.choice([1, 1, 2])
+        C = groups * rng.choice([8, 12, 16, 24, 40, 64])
+        K = groups * rng.choice([64, 80, 128])
+        kernel = rng.choice([(3, 3), (5, 7), (1, 1), (2, 4), (7, 7), (5, 5)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 1)])
+        dilation = rng.choice([(1, 1), (1, 1), (2, 1)])
+        padding = rng.choice([0, 1, (2, 0), "valid"])
+        tiles = [("ws", rng.choice([0, 1])), ("stage_out", rng.choice([0, 1]))]
+        if rng.random() < 0.5:
+            tiles.append(("block_k", 8))  # several stages a tile
+        layout = rng.choice(["contiguous", "contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2])
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H = max(rng.randint(3, 20), eh)
+        W = max(rng.choice([rng.randint(3, 300), 64, 136, 264]), ew)
+        cases.append(Case(4500 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
+                          "float32", "ieee", layout, H, W, "wgmma", tuple(tiles)))
+    return cases
+
+
 def make_ragged_cases() -> list[Case]:
     """Staged float32 `wgmma` outputs whose rows do not all start on 16 bytes (the width-adaptive
     stores): rows and planes 8 bytes off (8-byte stores), odd widths (4-byte stores) with a
@@ -264,7 +291,7 @@ def make_wide_tile_cases() -> list[Case]:
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
-                                make_ws_stage_cases(24) + make_ragged_cases() + make_wide_tile_cases()
+                                make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases()
                                 if HOPPER else []) +
          make_staged_cases(48))
 
@@ -444,6 +471,21 @@ def test_wgmma_graph_capture_and_side_stream(dtype):
     assert rel_err(y2, F.conv2d(x.double(), w.double(), b.double(), padding=1)) <= tol
 
 
+@pytest.mark.skipif(not HOPPER, reason="wgmma needs a compute-capability 9.0 GPU")
+@pytest.mark.parametrize("kernel,channels", [((5, 7), 64), ((1, 1), 64), ((3, 3), 16)])
+def test_wgmma_strict_float32_keeps_1e_5_on_one_signed_data(kernel, channels):
+    """3xTF32 on wgmma with every operand positive: the tensor cores' truncating accumulation
+    then biases every add the same way, the worst case for a long reduction (2240 products for
+    5x7 over 64 channels, summed a stage at a time; 64 and 144 in one accumulator)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(2, channels, 24, 140, generator=g).cuda()
+    w = torch.rand(128, channels, *kernel, generator=g).cuda()
+    spec, _ = spec_for(x, w, None, device="cuda", precision="ieee")
+    assert spec.family == "wgmma" and spec.math == "ieee"
+    y = kernelgen.conv2d(x, w, precision="ieee")
+    assert rel_err(y, F.conv2d(x.double(), w.double())) <= 1e-5
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
 def test_second_device():
     x = torch.randn(2, 8, 24, 24, device="cuda:1")
@@ -494,6 +536,10 @@ MEMCHECK = textwrap.dedent("""
             for so in (1, 0):
                 run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
                     tiles={{"tile_p": 1, "tile_q": 256, "stage_out": so}}, **prec)
+            if dtype == torch.float32:  # 3xTF32: one stage (weight pairs resident), and per-stage sums
+                run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, precision="ieee")
+                run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
+                    precision="ieee")
     torch.cuda.synchronize()
     print("memcheck script done")
 """)

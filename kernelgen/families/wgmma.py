@@ -3,7 +3,11 @@
 Per image and group, the implicit GEMM D[COUT_G x pixels] = W[COUT_G x K] . im2col[K x pixels]
 runs as `wgmma.mma_async` with both operands read by the tensor cores straight from shared
 memory (templates/cuda/wgmma.cu.j2): TF32 for float32 when TF32 is allowed, bf16/fp16 with
-float32 accumulation. Strict float32 stays with `igemm`/`pointwise` (3xTF32).
+float32 accumulation. Strict float32 runs 3xTF32: each operand is staged as a pair of TF32
+values (its rounding, and the rounding of the rest), and each k-step issues three wgmmas
+(small.big + big.small + big.big), about float32's accuracy (~5e-7 relative on the cases)
+at three times TF32's tensor work and twice its shared memory; over reductions longer than
+FLUSH_K each stage sums apart and is added to the total with round-to-nearest adds.
 
 A block is BLOCK_M output channels (one warpgroup of 128 threads per 64) x a TILE_P x TILE_Q
 patch of output pixels; each warpgroup issues one m64 x TILE_Q wgmma per output row and k-step.
@@ -14,8 +18,10 @@ halo moved by (r, s) pixels: no im2col copy. That needs a column stride of 1.
 A stage holds BLOCK_K input channels and all kernel rows (full_kh=1) or one; stages run
 through a ring of `nbuf` shared-memory slots, `nbuf - 2` ahead of the MMAs. When one stage
 covers the whole reduction the weights stay resident (a block keeps one group and m-block
-and strides over its pixel tiles) and the ring holds only input halos. The weights are repacked once per call into the workspace, in
-shared-memory order and TF32-rounded, so a stage copies them with 16-byte cp.async.
+and strides over its pixel tiles) and the ring holds only input halos. The weights are
+repacked once per call into the workspace, in shared-memory order and TF32-rounded (3xTF32:
+both halves, each stage's pair contiguous), so a stage copies them with 16-byte cp.async or,
+under a producer warpgroup, one bulk copy.
 
 The block may also be warp-specialised (tile `ws=1`): a third warpgroup, the producer,
 stages every stage's input into the ring (and, when the weights are not resident, starts the
@@ -48,6 +54,10 @@ SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 REG_OVERHEAD = 48
 MAX_REGS = 255
 REG_FILE = 65536  # 32-bit registers per SM
+# 3xTF32 over a reduction longer than this sums each stage apart (FLUSH): wgmma accumulates by
+# truncation, about 2^-24 of the running sum lost per wgmma, three wgmmas per k-step of 8.
+# 256 is 96 truncations, ~3e-6 of relative bias at most against the 1e-5 strict float32 keeps.
+FLUSH_K = 256
 ARCHS = ("sm_90a",)
 
 
@@ -74,8 +84,14 @@ class WgmmaFamily(Family):
         xvec = nch * xr * xq
         wvec = kr * kw * nch * bm
         nbuf = t["nbuf"]
-        slot = (0 if wres else wvec) + xvec
-        smem = 16 * ((wvec if wres else 0) + nbuf * slot)
+        # Strict float32: 3xTF32 (SPLIT3), every operand staged twice (its TF32 rounding and the
+        # rounding of the rest); over reductions longer than FLUSH_K, per-stage partial sums.
+        split = spec.dtype == "float32" and spec.math == "ieee"
+        nspl = 2 if split else 1
+        k_total = spec.cin_per_group * kh * kw
+        flush = split and spt > 1 and k_total > FLUSH_K
+        slot = nspl * ((0 if wres else wvec) + xvec)
+        smem = 16 * ((nspl * wvec if wres else 0) + nbuf * slot)
         ws = bool(t.get("ws", 0))  # warp-specialised: one producer warpgroup stages the input
         ncon = 128 * (bm // 64)  # consumer threads: one warpgroup per 64 output channels
         nth = ncon + (128 if ws else 0)
@@ -98,7 +114,7 @@ class WgmmaFamily(Family):
         # stage per tile), and REG_OVERHEAD for addresses. ws: the producer holds the rows (4 * cpv
         # per group of cpv columns, x_groups; or two sets of rows, 16-bit unaligned) and offsets,
         # a consumer the accumulators.
-        acc = tp * tq // 2
+        acc = tp * tq // 2 * (2 if flush else 1)
         if ws:
             xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
             prod = max(4 * cpv * xg, 0 if xasync else 8 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD + 16
@@ -121,9 +137,9 @@ class WgmmaFamily(Family):
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "WS": ws, "NTP": ntp, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
-            "XASYNC": xasync, "OVERLAP": overlap,
+            "XASYNC": xasync, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush,
             "EPI_BYTES": epi, "RSTAGE": rstage, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
-            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * wvec,
+            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec,
             # per thread (ws with a register split: a consumer's, within CREGS)
             "REGS": regs,
         }
@@ -136,8 +152,6 @@ class WgmmaFamily(Family):
     def check_shape(self, spec: "ConvSpec") -> None:
         if spec.stride[1] != 1:
             raise Unsupported(f"wgmma needs a column stride of 1 (got stride {spec.stride}); use igemm")
-        if spec.dtype == "float32" and spec.math != "tf32":
-            raise Unsupported("wgmma computes float32 with TF32 only; strict float32 uses igemm (3xTF32)")
         if spec.out_channels * spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1] >= 2**31:
             raise Unsupported("weights with 2^31 or more elements")
         if spec.tiles:
@@ -210,6 +224,15 @@ class WgmmaFamily(Family):
           stage in the ring (RSTAGE: each consumer warpgroup in the slot of one of the
           tile's last stages): 56 TF32 1.94-1.95 against 1.96-1.98 stored from the
           fragments, bf16 1.04-1.05 against 1.09-1.11.
+        - Strict float32 (3xTF32) takes the same order; its operand pairs fill shared memory
+          twice as fast, and its per-stage partial sums double a long reduction's
+          accumulators (no 1 x 256 or 2 x 128 tiles there). Short reductions then also try
+          one-stage producer tiles of 64 columns, staged and then stored from the fragments.
+          H100 (ms, kernelgen / igemm or pointwise 3xTF32 mma.sync): case 56 4.41 (1 x 128,
+          20 stages a tile, ring-staged) / 15.56; case 63 9.72 (1 x 64, fragment stores; 147
+          KB of resident weight pairs leave no room for staging) / 13.90, against 10.24 and
+          10.48 for 1 x 128 tiles of 6 stages with and without a producer; case 87 5.42
+          (1 x 64, staged) / 6.47, against 5.54 for 1 x 128 in two stages.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -222,6 +245,7 @@ class WgmmaFamily(Family):
             raise Unsupported(f"wgmma does not serve dtype {spec.dtype}")
         cpv = 4 if spec.dtype == "float32" else 8
         kstep = 2 * cpv
+        split = spec.dtype == "float32" and spec.math == "ieee"  # 3xTF32: twice the shared memory
         bm = 128 if spec.cout_per_group > 64 else 64
         tq = 128 if problem.Q > 64 else 64
         full_ck = _ceil(spec.cin_per_group, kstep) * kstep
@@ -244,6 +268,8 @@ class WgmmaFamily(Family):
         shapes = [(r, tp, tqs, nb) for r in reductions for tp, tqs in pixels for nb in r[2]]
         if k_total < 512:
             order = [(1, 1, reductions[0], 1, tq, nb) for nb in (6, 5, 4, 3)]
+            if split:  # the resident weight pair leaves less room: 64-column tiles, stored from fragments last
+                order += [(so, 1, reductions[0], 1, 64, nb) for so in (1, 0) for nb in (6, 5, 4, 3)]
             order += [(so, 0, *shape) for so in (1, 0) for shape in shapes]
         else:
             order = [(so, 1, *shape) for so in (1, 0) for shape in shapes]
