@@ -6,7 +6,8 @@ For each case and precision (float32 with TF32 allowed, strict float32, bfloat16
 times kernelgen.conv2d and F.conv2d in this process (medians of CUDA-event-timed runs
 after warm-up, taken in alternating rounds, everything conv2d does per call included),
 measures the card's copy
-bandwidth and GEMM peaks to compute each case's floor, and checks accuracy against
+bandwidth and GEMM peaks to compute each case's floor (for strict float32 on tensor cores,
+the 3xTF32 it runs: three TF32 products a multiply-add), and checks accuracy against
 float64 per ../shared/PERF.md. Accuracy is measured on the first two images of the
 batch (errors are per image; the float64 reference of a whole batch of case 63 would
 need 17 GB); every output element of the timed call is checked to be finite.
@@ -126,6 +127,10 @@ def set_tf32(allowed: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
+# Families whose strict float32 is 3xTF32 split-precision tensor-core math.
+TENSOR_CORE_FAMILIES = ("wgmma", "igemm", "pointwise")
+
+
 def run_case(key: str, precision: str, peaks: dict[str, float]) -> dict:
     c = CASES[key]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -154,12 +159,19 @@ def run_case(key: str, precision: str, peaks: dict[str, float]) -> dict:
     flops = 2 * c.N * c.K * P * Q * (c.C // c.groups) * c.kernel[0] * c.kernel[1]
     elt = x.element_size()
     nbytes = elt * (x.numel() + w.numel() + c.N * c.K * P * Q)
-    floor_ms = max(nbytes / peaks["copy_Bps"], flops / peaks[f"{precision}_flops"]) * 1e3
+    spec = kernelgen.functional.spec_for(x, w, None, **kw)[0]
+    # The floor of the math the kernel runs: strict float32 on tensor cores is 3xTF32, three TF32
+    # products per multiply-add (the depthwise family's exact FFMAs run at the FP32 peak).
+    if precision == "ieee" and spec.family in TENSOR_CORE_FAMILIES:
+        math, compute_s = "3xtf32", 3 * flops / peaks["tf32_flops"]
+    else:
+        math, compute_s = precision, flops / peaks[f"{precision}_flops"]
+    floor_ms = max(nbytes / peaks["copy_Bps"], compute_s) * 1e3
     target = TARGETS[key][precision]
     accurate = finite and kg_err <= bound
-    spec = kernelgen.functional.spec_for(x, w, None, **kw)[0]
     return dict(case=c.name, precision=precision, kernelgen_ms=kg_ms, torch_ms=torch_ms, speedup=torch_ms / kg_ms,
-                floor_ms=floor_ms, pct_of_floor=100 * floor_ms / kg_ms, rel_err=kg_err, torch_rel_err=torch_err,
+                floor_ms=floor_ms, floor_math=math, pct_of_floor=100 * floor_ms / kg_ms, rel_err=kg_err,
+                torch_rel_err=torch_err,
                 accuracy_rule=rule, accurate=accurate, target_ms=target,
                 met=accurate and kg_ms <= target and kg_ms <= torch_ms, family=spec.family, spec=spec.summary())
 

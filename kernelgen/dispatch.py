@@ -103,7 +103,7 @@ def _worth_it(name: str, spec: ConvSpec) -> bool:
         # Reductions of 128 and more. H100: case 56 (64x5x7) TF32 2.31 ms vs igemm 7.23, bf16 1.39
         # vs 5.67; case 63 (16x3x3) TF32 7.34 vs igemm 8.54, bf16 4.62 vs 6.33 (both staged);
         # case 87 (64x1x1) TF32 9.1 vs pointwise 4.7, bf16 4.8 vs 3.1 (before staging; 5.00 vs
-        # 4.79 since). Strict float32 (3xTF32) from 64: case 87 5.42 vs pointwise 6.47.
+        # 4.79 since). Strict float32 (3xTF32) from 64: case 87 5.42-5.46 vs pointwise 6.47.
         strict = spec.dtype == "float32" and spec.math == "ieee"
         return (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
                 and spec.cin_per_group * kh * kw >= (64 if strict else 128))

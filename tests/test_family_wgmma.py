@@ -7,6 +7,7 @@ that the rendered CUDA lowers to wgmma.mma_async with no spills and no serialise
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -98,7 +99,8 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype, math):
         assert lay["WS"] and not lay["WRES"] and 4 * 16 * lay["ESRS"] * esize <= 16 * slot
         epi = 0
     assert lay["EPI_BYTES"] == epi and lay["ESRS"] >= lay["TQ"] + 16 // esize
-    assert lay["SMEM_BYTES"] == (16 * ((nspl * lay["WVEC"] if lay["WRES"] else 0) + lay["NBUF"] * slot) + epi +
+    resident = (1 if lay["AREG"] else nspl) * lay["WVEC"] if lay["WRES"] else 0  # a_regs: small weights in registers
+    assert lay["SMEM_BYTES"] == (16 * (resident + lay["NBUF"] * slot) + epi +
                                  (16 * lay["NBUF"] if lay["WS"] else 0))
     # The workspace holds every weight, padded to whole stages and m-blocks.
     cin_g, cout = spec.cin_per_group, spec.out_channels
@@ -181,13 +183,24 @@ def test_strict_float32_runs_3xtf32_with_partial_sums_over_long_reductions():
     assert lay["SPLIT3"] and lay["FLUSH"] and lay["RSTAGE"] and lay["REGS"] == 64 * 2 + 48 <= lay["CREGS"]
     with pytest.raises(Unsupported, match="registers"):
         FAM.check_tiles(spec, {**t, "tile_q": 256})
-    # 63 and 87 (one stage a tile, reductions of 144 and 64): no partial sums; the resident
-    # weight pair (147 KB for 63) leaves room for 64-column tiles, 63's stored from fragments.
-    for case, stage_out in (("63", 0), ("87", 1)):
+    # 63 and 87 (one stage a tile, reductions of 144 and 64): no partial sums; the small weights
+    # in the consumers' registers (4 a k-step), the big ones resident, 64-column staged tiles.
+    for case, ksteps in (("63", 18), ("87", 8)):
         spec = _choose(**CASES[case], math="ieee")
         t, lay = dict(spec.tiles), FAM.layout(spec)
-        assert (t["ws"], t["tile_q"], t["stage_out"]) == (1, 64, stage_out)
-        assert lay["SPLIT3"] and lay["WRES"] and not lay["FLUSH"] and lay["SMEM_BYTES"] <= SMEM_LIMIT
+        assert (t["ws"], t["tile_q"], t["stage_out"], t["a_regs"]) == (1, 64, 1, 1)
+        assert lay["SPLIT3"] and lay["WRES"] and lay["AREG"] and not lay["FLUSH"]
+        assert lay["REGS"] == 32 + 4 * ksteps + 48 and lay["SMEM_BYTES"] <= SMEM_LIMIT
+        # Both halves in shared memory (a_regs=0): 63's pair (147 KB) leaves no room for staging.
+        if case == "63":
+            with pytest.raises(Unsupported, match="shared memory"):
+                FAM.check_tiles(spec, {**t, "a_regs": 0})
+    # Registers hold the small weights only for 3xTF32 with one stage a tile.
+    with pytest.raises(Unsupported, match="a_regs"):
+        FAM.check_tiles(_choose(**CASES["63"], family="wgmma"), {**dict(_choose(**CASES["63"]).tiles), "a_regs": 1})
+    spec56 = _choose(**CASES["56"], math="ieee")
+    with pytest.raises(Unsupported, match="a_regs"):
+        FAM.check_tiles(spec56, {**dict(spec56.tiles), "a_regs": 1})
     # A short reduction over several stages sums in one accumulator too; a long one does not.
     short = _choose(x=(2, 16, 40, 70), w=(128, 16, 3, 3), math="ieee", family="wgmma", tiles={"block_k": 8})
     assert FAM.layout(short)["SPT"] > 1 and 16 * 9 <= FLUSH_K and not FAM.layout(short)["FLUSH"]
@@ -245,8 +258,10 @@ def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
     assert "0 bytes spill stores, 0 bytes spill loads" in report and " bytes spill stores" not in \
         report.replace("0 bytes spill stores", ""), report
     lay = FAM.layout(spec)
-    # Per-stage partial sums start each stage with a wgmma that overwrites (scale-d 0), only there.
+    # Per-stage partial sums start each stage with a wgmma that overwrites (scale-d 0), only there;
+    # small weights held in registers are wgmma's register A operand.
     assert ("setp.ne.b32 p, 0, 0;" in text) == lay["FLUSH"]
+    assert bool(re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k8\.f32\.tf32\.tf32 \{[^}]*\}, \{%r", text)) == lay["AREG"]
     # A register split is in the code where the layout asks for one, and only there.
     assert ("setmaxnreg.inc.sync.aligned.u32 %d;" % lay["CREGS"] in text) == bool(lay["CREGS"])
     assert ("setmaxnreg.dec.sync.aligned.u32 %d;" % lay["PREGS"] in text) == bool(lay["PREGS"])

@@ -238,8 +238,9 @@ def make_ws_stage_cases(n: int, seed: int = 9753) -> list[Case]:
 
 def make_split_cases(n: int, seed: int = 5791) -> list[Case]:
     """Strict float32 on `wgmma` (3xTF32: both operands staged as a TF32 pair): one stage or
-    several, with the producer warpgroup or without, the staged epilogue or fragment stores, and
-    reductions long enough (> 256 over several stages) for per-stage partial sums (FLUSH)."""
+    several, with the producer warpgroup or without, the staged epilogue or fragment stores,
+    reductions long enough (> 256 over several stages) for per-stage partial sums (FLUSH), and
+    the small weights in registers (a_regs) or in shared memory."""
     rng = random.Random(seed)
     cases = []
     for idx in range(n):
@@ -260,6 +261,11 @@ def make_split_cases(n: int, seed: int = 5791) -> list[Case]:
         W = max(rng.choice([rng.randint(3, 300), 64, 136, 264]), ew)
         cases.append(Case(4500 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
                           "float32", "ieee", layout, H, W, "wgmma", tuple(tiles)))
+    # One stage a tile takes the small weights in registers by default (a_regs=1): both halves
+    # resident too, with and without the producer, and a partial channel block.
+    for idx, (C, K, kernel, ws) in enumerate([(16, 128, (3, 3), 1), (12, 80, (3, 3), 0), (32, 64, (1, 1), 1)]):
+        cases.append(Case(4530 + idx, 2, C, K, 1, kernel, (1, 1), 1 if kernel != (1, 1) else 0, (1, 1), idx != 1,
+                          "float32", "ieee", "contiguous", 11, 70 + idx, "wgmma", (("a_regs", 0), ("ws", ws))))
     return cases
 
 

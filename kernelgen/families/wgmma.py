@@ -55,8 +55,9 @@ REG_OVERHEAD = 48
 MAX_REGS = 255
 REG_FILE = 65536  # 32-bit registers per SM
 # 3xTF32 over a reduction longer than this sums each stage apart (FLUSH): wgmma accumulates by
-# truncation, about 2^-24 of the running sum lost per wgmma, three wgmmas per k-step of 8.
-# 256 is 96 truncations, ~3e-6 of relative bias at most against the 1e-5 strict float32 keeps.
+# truncation, up to 2^-23 of the running sum lost per wgmma, three wgmmas per k-step of 8. H100,
+# case 56 (2240-long) with every operand positive: 2.5e-5 relative error in one accumulator,
+# 4.3e-7 summed a stage at a time. 256 is 96 truncations, a few 1e-6 at most.
 FLUSH_K = 256
 ARCHS = ("sm_90a",)
 
@@ -90,8 +91,12 @@ class WgmmaFamily(Family):
         nspl = 2 if split else 1
         k_total = spec.cin_per_group * kh * kw
         flush = split and spt > 1 and k_total > FLUSH_K
+        # a_regs (3xTF32, resident weights): the small weights live in the consumers' registers
+        # as wgmma A fragments (4 a k-step), only the big ones in shared memory.
+        areg = bool(t.get("a_regs", 0))
+        nks = kr * kw * nch // 2  # wgmma k-steps a stage
         slot = nspl * ((0 if wres else wvec) + xvec)
-        smem = 16 * ((nspl * wvec if wres else 0) + nbuf * slot)
+        smem = 16 * (((1 if areg else nspl) * wvec if wres else 0) + nbuf * slot)
         ws = bool(t.get("ws", 0))  # warp-specialised: one producer warpgroup stages the input
         ncon = 128 * (bm // 64)  # consumer threads: one warpgroup per 64 output channels
         nth = ncon + (128 if ws else 0)
@@ -114,7 +119,7 @@ class WgmmaFamily(Family):
         # stage per tile), and REG_OVERHEAD for addresses. ws: the producer holds the rows (4 * cpv
         # per group of cpv columns, x_groups; or two sets of rows, 16-bit unaligned) and offsets,
         # a consumer the accumulators.
-        acc = tp * tq // 2 * (2 if flush else 1)
+        acc = tp * tq // 2 * (2 if flush else 1) + (4 * nks if areg else 0)  # (and the A fragments)
         if ws:
             xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
             prod = max(4 * cpv * xg, 0 if xasync else 8 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD + 16
@@ -137,7 +142,7 @@ class WgmmaFamily(Family):
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "WS": ws, "NTP": ntp, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
-            "XASYNC": xasync, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush,
+            "XASYNC": xasync, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush, "AREG": areg,
             "EPI_BYTES": epi, "RSTAGE": rstage, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec,
             # per thread (ws with a register split: a consumer's, within CREGS)
@@ -168,6 +173,9 @@ class WgmmaFamily(Family):
             raise Unsupported("kernel rows per stage must divide the kernel height")
         if lay["CREGS"] and t["min_blocks"] > 1:
             raise Unsupported("a ws register split (setmaxnreg) needs min_blocks=1")
+        if lay["AREG"] and not (lay["SPLIT3"] and lay["WRES"]):
+            raise Unsupported("a_regs=1 needs strict float32 (3xTF32) with the whole reduction in one stage "
+                              "(block_k covering the input channels of a group, full_kh=1)")
         if lay["WS"] and lay["OVERLAP"]:
             raise Unsupported("ws=1 and overlap=1 are exclusive")
         if lay["OVERLAP"] and not (lay["WRES"] and lay["STAGE_OUT"]):
@@ -226,13 +234,15 @@ class WgmmaFamily(Family):
           fragments, bf16 1.04-1.05 against 1.09-1.11.
         - Strict float32 (3xTF32) takes the same order; its operand pairs fill shared memory
           twice as fast, and its per-stage partial sums double a long reduction's
-          accumulators (no 1 x 256 or 2 x 128 tiles there). Short reductions then also try
-          one-stage producer tiles of 64 columns, staged and then stored from the fragments.
-          H100 (ms, kernelgen / igemm or pointwise 3xTF32 mma.sync): case 56 4.41 (1 x 128,
-          20 stages a tile, ring-staged) / 15.56; case 63 9.72 (1 x 64, fragment stores; 147
-          KB of resident weight pairs leave no room for staging) / 13.90, against 10.24 and
-          10.48 for 1 x 128 tiles of 6 stages with and without a producer; case 87 5.42
-          (1 x 64, staged) / 6.47, against 5.54 for 1 x 128 in two stages.
+          accumulators (no 1 x 256 or 2 x 128 tiles there). Short reductions (one stage a
+          tile) first keep the small weights in the consumers' registers (a_regs=1), then try
+          64-column producer tiles, staged and then stored from the fragments. H100 (ms,
+          kernelgen / 3xTF32 on mma.sync, igemm or pointwise): case 56 4.41 (1 x 128, 40
+          stages a tile, ring-staged) / 15.56; case 63 7.03 (a_regs, 1 x 64, staged) / 13.90,
+          against 8.23-9.72 with both halves resident (147 KB: fragment stores) and 9.28 for
+          a_regs on 1 x 128 (no room for staging); case 87 5.46 (a_regs, 1 x 64, staged) /
+          6.47, against 5.42-5.51 with both halves resident and 5.54 for 1 x 128 in two
+          stages.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -267,20 +277,23 @@ class WgmmaFamily(Family):
             pixels.insert(0, (1, 256))
         shapes = [(r, tp, tqs, nb) for r in reductions for tp, tqs in pixels for nb in r[2]]
         if k_total < 512:
-            order = [(1, 1, reductions[0], 1, tq, nb) for nb in (6, 5, 4, 3)]
-            if split:  # the resident weight pair leaves less room: 64-column tiles, stored from fragments last
-                order += [(so, 1, reductions[0], 1, 64, nb) for so in (1, 0) for nb in (6, 5, 4, 3)]
-            order += [(so, 0, *shape) for so in (1, 0) for shape in shapes]
+            order = [(1, 1, reductions[0], 1, tq, nb, 0) for nb in (6, 5, 4, 3)]
+            if split:
+                # The resident weight pair leaves less room: the small weights in registers first,
+                # then 64-column tiles, stored from the fragments last.
+                order = [(1, 1, reductions[0], 1, tqs, nb, 1) for tqs in (tq, 64) for nb in (6, 5, 4, 3)] + order
+                order += [(so, 1, reductions[0], 1, 64, nb, 0) for so in (1, 0) for nb in (6, 5, 4, 3)]
+            order += [(so, 0, *shape, 0) for so in (1, 0) for shape in shapes]
         else:
-            order = [(so, 1, *shape) for so in (1, 0) for shape in shapes]
-            order += [(so, 0, *shape) for shape in shapes for so in (0, 1)]
+            order = [(so, 1, *shape, 0) for so in (1, 0) for shape in shapes]
+            order += [(so, 0, *shape, 0) for shape in shapes for so in (0, 1)]
         forced_ws = (fixed or {}).get("ws")
-        for stage, ws, (ck, full, _slots), tp, tqs, nbuf in order:
+        for stage, ws, (ck, full, _slots), tp, tqs, nbuf, areg in order:
             if ck > 128 or (k_total >= 512 and ws and forced_ws == 0):
                 continue  # (a caller who forces ws=0 gets the order without a producer)
             cand = {"block_m": bm, "tile_p": tp, "tile_q": tqs, "block_k": ck, "full_kh": full, "nbuf": nbuf,
                     "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
-                    "overlap": 0, "ws": ws, **(fixed or {})}
+                    "overlap": 0, "ws": ws, "a_regs": areg, **(fixed or {})}
             try:
                 self.check_tiles(spec, cand)
             except Unsupported:
@@ -297,7 +310,8 @@ wgmma = WgmmaFamily(
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
            "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": (3, 4, 5, 6),
-           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1), "ws": (0, 1)},
+           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1), "ws": (0, 1),
+           "a_regs": (0, 1)},
 )
 
 FAMILIES = (wgmma,)
