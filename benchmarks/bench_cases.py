@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernelgen  # noqa: E402
+from kernelgen.families import get_family  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,6 @@ def set_tf32(allowed: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
-# Families whose strict float32 is 3xTF32 split-precision tensor-core math.
-TENSOR_CORE_FAMILIES = ("wgmma", "igemm", "pointwise")
-
-
 def run_case(key: str, precision: str, peaks: dict[str, float]) -> dict:
     c = CASES[key]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -162,7 +159,7 @@ def run_case(key: str, precision: str, peaks: dict[str, float]) -> dict:
     spec = kernelgen.functional.spec_for(x, w, None, **kw)[0]
     # The floor of the math the kernel runs: strict float32 on tensor cores is 3xTF32, three TF32
     # products per multiply-add (the depthwise family's exact FFMAs run at the FP32 peak).
-    if precision == "ieee" and spec.family in TENSOR_CORE_FAMILIES:
+    if precision == "ieee" and get_family(spec.family).tf32:  # the tensor-core families
         math, compute_s = "3xtf32", 3 * flops / peaks["tf32_flops"]
     else:
         math, compute_s = precision, flops / peaks[f"{precision}_flops"]
