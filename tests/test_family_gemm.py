@@ -137,11 +137,18 @@ def test_default_tiles_for_the_benchmark_cases():
     assert t["block_k"] == 64 and t["block_m"] == 128  # one stage: weights resident
     p63 = _spec("igemm", 16, 128, 3, nhw=(16, 1024, 1024))
     assert gemm.igemm.layout(p63)["WRES"]
-    # 63 TF32: 128-channel blocks, cp.async input, direct stores (measured fastest); 87 and the
-    # strict cells keep register-staged input.
+    # 63 TF32: 128-channel blocks, cp.async input, direct stores (measured fastest); the strict
+    # cells keep register-staged input.
     t63 = dict(p63.tiles)
     assert t63["async_x"] == 1 and t63["stage_out"] == 0 and t63["block_m"] == 128 and t63["min_blocks"] == 1
-    assert t["stage_out"] == 0 and t["async_x"] == 0
+    # 87: 16 warps and staged rows; TF32 128 pixels, cp.async two tiles ahead; 16-bit 256 pixels.
+    assert (t["warps_m"], t["warps_n"], t["block_n"], t["async_x"], t["stage_out"]) == (4, 4, 128, 2, 1)
+    tb = dict(_spec("pointwise", 64, 128, 1, dtype="bfloat16", nhw=(16, 1024, 1024)).tiles)
+    assert (tb["warps_m"], tb["warps_n"], tb["block_n"], tb["async_x"], tb["stage_out"]) == (4, 4, 256, 0, 1)
+    for dtype in ("float32", "bfloat16"):  # small planes keep 8 warps
+        small = dict(_spec("pointwise", 64, 128, 1, dtype=dtype, nhw=(2, 40, 44)).tiles)
+        assert small["warps_m"] * small["warps_n"] == 8
+    assert dict(_spec("pointwise", 64, 128, 1, math="ieee", nhw=(16, 1024, 1024)).tiles)["warps_n"] == 4
     assert dict(_spec("igemm", 16, 128, 3, math="ieee", nhw=(16, 1024, 1024)).tiles)["async_x"] == 0
     lay = gemm.igemm.layout(p63)
     assert lay["XASYNC"] and lay["EPI_WORDS"] == 0 and lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
@@ -169,6 +176,32 @@ def test_async_input_tiles():
         gemm.igemm.check_tiles(p56, dict(p56.tiles, async_x=1))
     with pytest.raises(Unsupported, match="async_x"):  # 16-bit words pair two channels
         gemm.igemm.check_tiles(p63.replace(dtype="bfloat16", math="ieee"), dict(p63.tiles))
+
+
+def test_rows_stage_in_the_consumed_input_buffer():
+    """cp.async input with staged rows: the rows go to the input buffer the MMAs just read, in
+    as few rounds of whole warp rows as fit it, and take no shared memory of their own."""
+    p87 = _spec("pointwise", 64, 128, 1, nhw=(16, 1024, 1024))
+    lay = gemm.pointwise.layout(p87)
+    assert lay["EPI_IN_X"] and lay["EPI_PARTS"] == 2 and lay["EPI_WORDS"] <= lay["XWORDS"]
+    assert lay["EPI_WORDS"] * lay["EPI_PARTS"] == 128 * lay["SRS"]  # float32: a word an element
+    assert lay["SMEM_BYTES"] == 4 * (lay["WWORDS"] + lay["NXB"] * lay["XWORDS"])
+    t = dict(p87.tiles)
+    # 32 channels in, 256 pixels: a quarter of the rows at a time.
+    p32 = _spec("pointwise", 32, 128, 1, nhw=(16, 1024, 1024), tiles=dict(t, block_k=32, block_n=256, async_x=1))
+    lay32 = gemm.pointwise.layout(p32)
+    assert lay32["EPI_IN_X"] and lay32["EPI_PARTS"] == 4
+    # Rounds divide the warp rows: two warp rows cannot take quarters, so the rows get a region.
+    sep = dict(t, block_k=32, block_n=256, async_x=1, warps_m=2, warps_n=8)
+    lays = gemm.pointwise.layout(p32, sep)
+    assert not lays["EPI_IN_X"] and lays["EPI_PARTS"] == 1
+    assert lays["SMEM_BYTES"] == 4 * (lays["WWORDS"] + lays["NXB"] * lays["XWORDS"] + lays["EPI_WORDS"])
+    # Register-staged input (and 16-bit) keeps its own staging region.
+    for spec, tiles in ((p87, dict(t, async_x=0)), (_spec("pointwise", 64, 128, 1, dtype="bfloat16",
+                                                           nhw=(16, 1024, 1024)), None)):
+        lr = gemm.pointwise.layout(spec, tiles)
+        assert not lr["EPI_IN_X"] and lr["EPI_PARTS"] == 1
+        assert lr["SMEM_BYTES"] == 4 * (lr["WWORDS"] + lr["NXB"] * lr["XWORDS"] + lr["EPI_WORDS"])
 
 
 # -- compile (needs nvcc) ----------------------------------------------------------------------
@@ -204,3 +237,20 @@ def test_async_input_compiles(family, k, math, depth, tmp_path):
     spec = _spec(family, 16 if k == 3 else 64, 128, k, math=math, bias=True)
     spec = spec.replace(tiles=dict(spec.tiles, async_x=depth, stage_out=0, min_blocks=1))
     _compile_and_check_sass(spec, tmp_path, ("LDGSTS", "HMMA"))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("cin,dtype,rounds", [(64, "float32", 2), (32, "float32", 4), (64, "bfloat16", 1)])
+def test_wide_pointwise_tiles_compile_without_spills(cin, dtype, rounds, tmp_path):
+    """Case 87's 16-warp tiles (rows staged in the consumed input buffer in 2 or 4 rounds for
+    float32, a region of their own for bf16) compile to tensor-core MMAs with no spills."""
+    spec = _spec("pointwise", cin, 128, 1, dtype=dtype, nhw=(16, 1024, 1024))
+    lay = gemm.pointwise.layout(spec)
+    assert lay["NTH"] == 512 and lay["EPI_PARTS"] == rounds and lay["EPI_IN_X"] == (dtype == "float32")
+    src = tmp_path / "k.cu"
+    src.write_text(_render(spec))
+    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c", str(src),
+           "-o", str(tmp_path / "k.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 4, r.stderr  # the four kernels

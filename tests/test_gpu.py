@@ -161,6 +161,39 @@ def make_staged_cases(n: int, seed: int = 2468) -> list[Case]:
     return cases
 
 
+def make_wide_pointwise_cases(n: int, seed: int = 1470) -> list[Case]:
+    """`pointwise` forced onto the wide one-stage tiles of large planes (128 or 256 pixels, 8 or 16
+    warps, staged rows): float32 with cp.async input stages its rows in the input buffer the
+    MMAs just read, in rounds of channels when they do not fit it at once; 16-bit through
+    registers. Partial channel blocks, planes of every size (not a multiple of 4: the 4-byte
+    input path), bias, groups, strided views, unbatched."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        groups = rng.choice([1, 1, 2])
+        C = groups * rng.choice([8, 16, 32, 64] if dtype == "float32" else [16, 32, 64])
+        K = groups * rng.choice([48, 64, 128, 160])
+        bn = rng.choice([256, 128])
+        wm, wn = rng.choice([(4, 4), (2, 8), (2, 4)])
+        tiles = [("block_n", bn), ("warps_m", wm), ("warps_n", wn), ("stage_out", 1), ("min_blocks", 1)]
+        if dtype == "float32":
+            tiles.append(("async_x", rng.choice([1, 2]) if bn == 128 else 1))
+        precision = rng.choice(["tf32", "tf32", "ieee"]) if dtype == "float32" else None
+        layout = rng.choice(["contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2, 3])
+        H, W = rng.randint(3, 40), rng.randint(3, 200)
+        cases.append(Case(2100 + idx, N, C, K, groups, (1, 1), (1, 1), 0, (1, 1), rng.random() < 0.5,
+                          dtype, precision, layout, H, W, "pointwise", tuple(tiles)))
+    # Case 87's tiles (64 channels in, rows staged in 2 rounds) and 32 channels in (4 rounds), on
+    # planes of whole 256-pixel tiles and on planes that end in a cut tile (the 4-byte input path).
+    wide = (("block_n", 256), ("warps_m", 4), ("warps_n", 4), ("stage_out", 1), ("min_blocks", 1), ("async_x", 1))
+    for idx, (C, K, H, W) in enumerate([(64, 128, 16, 48), (64, 128, 23, 61), (32, 128, 32, 40), (32, 96, 9, 57)]):
+        cases.append(Case(2100 + n + idx, 2, C, K, 1, (1, 1), (1, 1), 0, (1, 1), idx % 2 == 0, "float32", "tf32",
+                          "contiguous", H, W, "pointwise", wide))
+    return cases
+
+
 def make_one_stage_cases(n: int, seed: int, first: int, tiles) -> list[Case]:
     """`wgmma` calls with short reductions held in one stage, every alignment and dtype, forced
     onto the tiles `tiles(rng)` returns."""
@@ -299,7 +332,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases()
                                 if HOPPER else []) +
-         make_staged_cases(48))
+         make_staged_cases(48) + make_wide_pointwise_cases(24))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected

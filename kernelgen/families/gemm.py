@@ -115,15 +115,24 @@ class GemmFamily(Family):
         esz = 4 if spec.dtype == "float32" else 2
         srs = staged_row(tq, esz)
         stage_out = bool(t.get("stage_out", 0))
-        epi_words = bm * tp * srs * esz // 4 if stage_out else 0
         # async_x: float32 input stages land by cp.async (no prefetch registers); needs resident
         # weights, whose epilogue staging does not overlap the buffer being filled.
         # async_x=2 keeps two tiles in flight (three input buffers).
         xasync = bool(t.get("async_x", 0)) and epw == 1 and wres
         xdepth = int(t.get("async_x", 0)) if xasync else 1
         nxb = xdepth + 1
-        # The staging has its own region after the pipeline buffers.
-        smem_words = (wwords + nxb * xwords if wres else 2 * (wwords + xwords)) + epi_words
+        # The staging has its own region after the pipeline buffers, or (cp.async input) lives in
+        # the input buffer the tile's MMAs just read, in as few rounds of whole warp rows
+        # (parts dividing warps_m) as fit it.
+        tile_words = bm * tp * srs * esz // 4
+        epi_parts, epi_in_x = 1, False
+        if stage_out and xasync:
+            for p in (1, 2, 4):
+                if warps_m % p == 0 and tile_words // p <= xwords:
+                    epi_parts, epi_in_x = p, True
+                    break
+        epi_words = tile_words // epi_parts if stage_out else 0
+        smem_words = (wwords + nxb * xwords if wres else 2 * (wwords + xwords)) + (0 if epi_in_x else epi_words)
         prefetch = 0 if xasync else _ceil(kp * xp * xq, nth) * epw
         prefetch += 0 if wres else _ceil(bm * ksw, nth) * epw
         if self.flat and not xasync:  # the 16-byte path loads 4 pixels per unit
@@ -138,6 +147,7 @@ class GemmFamily(Family):
             "KP": kp, "KR": kr, "KSW": ksw, "AKS": aks, "XP": xp, "XQ": xq, "CS": cs,
             "CCHUNKS": cchunks, "KSTAGES": kstages, "WRES": wres, "XWORDS": xwords, "WWORDS": wwords,
             "XASYNC": xasync, "XDEPTH": xdepth, "NXB": nxb, "STAGE_OUT": stage_out, "SRS": srs, "EPI_WORDS": epi_words,
+            "EPI_IN_X": epi_in_x, "EPI_PARTS": epi_parts,
             "SMEM_BYTES": smem, "MB": _ceil(spec.cout_per_group, bm), "MINB": t["min_blocks"],
             "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc, "FLUSH": flush,
         }
@@ -200,6 +210,13 @@ class GemmFamily(Family):
         - Epilogue: 16-bit outputs leave through shared memory (stage_out=1, one block per
           SM), float32 straight from the fragments.
         - pointwise 16-bit: 128-pixel blocks first (measured faster on case 87).
+        - pointwise on large planes (at least 4096 pixels, 2^19 a call) with 128-channel blocks
+          and one stage: 16 warps (4x4) and staged rows first, 256 pixels for 16-bit (register
+          input), 128 for TF32 (cp.async input two tiles ahead, rows staged in the input buffer
+          just read). H100, case 87: bf16 2.36-2.41 ms against 2.60-2.66 for 128 pixels and
+          8 warps (F.conv2d 2.46-2.54); TF32 4.70-4.76 against 4.75-4.84 (F.conv2d 4.61-4.69).
+          TF32 was no faster with 256 pixels (4.72), two blocks an SM (4.76-4.80) or a block
+          a tile (5.5-7.0).
         - block_k takes all of CIN_G when that is at most 64 channels: the reduction is
           one stage, the weights stay resident and blocks are persistent (the
           memory-bound 1x1 and small-CIN k x k cases). Otherwise 16 channels, or 8 for
@@ -233,6 +250,13 @@ class GemmFamily(Family):
             bn_list = (128, 64)  # case 87 bf16, staged: 2.76 ms against 2.83 with 64 (H100)
         tf32 = spec.dtype == "float32" and spec.math == "tf32"
         tiles: list[dict[str, int]] = []
+        plane = problem.P * problem.Q
+        if self.flat and bm == 128 and full_k <= 64 and plane >= 4096 and problem.N * plane >= 1 << 19:
+            wide = {"block_k": full_k, "block_m": 128, "warps_m": 4, "warps_n": 4, "stage_out": 1, "min_blocks": 1}
+            if epw == 2:
+                tiles.append({**wide, "block_n": 256, "async_x": 0})
+            elif tf32:
+                tiles.append({**wide, "block_n": 128, "async_x": 2})
         for ck in candidates_k:
             # 16-bit: the staged epilogue first (H100: case 87 bf16 2.76 ms against 3.09 with
             # fragment stores; 63 bf16 igemm 6.3 against 9.4), in one block per SM.
