@@ -2,13 +2,13 @@
 # The GPU host's one job: the GPU test tier, the examples and the benchmarks, with every
 # log and result under $OUT (or ./gpu-out when OUT is unset).
 #
-#   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests examples bench machinery (default: all of them)
+#   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests examples bench ceiling machinery (default: all)
 #
 # The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
 # machine reuses what the first compiled.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-stages=" ${*:-tests examples bench machinery} "
+stages=" ${*:-tests examples bench ceiling machinery} "
 want() { [[ $stages == *" $1 "* ]]; }
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
@@ -40,6 +40,10 @@ if want examples; then
 fi
 if want bench; then
   python3 benchmarks/bench_cases.py --json "$out/bench_cases.json" 2>&1 | tee "$out/bench_cases.log"
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want ceiling; then
+  python3 benchmarks/bench_ceiling.py --json "$out/bench_ceiling.json" 2>&1 | tee "$out/bench_ceiling.log"
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if want machinery; then

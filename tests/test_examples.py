@@ -330,3 +330,11 @@ def test_run_all_on_the_gpu(precision):
     bad = {case: status for case, status in results.items() if status != "PASS"}
     assert not bad, f"{bad}\n{done.stdout}\n{done.stderr[-4000:]}"
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_bench_ceiling_says_it_has_nothing_to_measure_without_a_gpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ceiling.py")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA device" in r.stdout
