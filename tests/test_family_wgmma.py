@@ -150,6 +150,9 @@ def test_short_reductions_take_the_producer_warpgroup():
         lay = FAM.layout(spec)
         assert lay["WS"] and lay["NTH"] == 384 and lay["NTP"] == 128 and lay["SMEM_BYTES"] <= SMEM_LIMIT
         assert lay["WRES"] and (lay["PREGS"], lay["CREGS"]) == (0, 0)
+        # 16-bit producers keep two tiles' loads in flight (two sets of groups); float32's
+        # four groups a tile keep one set.
+        assert lay["XSETS"] == (1 if dtype == "float32" else 2)
     with pytest.raises(Unsupported, match="exclusive"):
         FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1})
 
@@ -162,7 +165,7 @@ def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
         t = dict(spec.tiles)
         assert (t["ws"], t["tile_p"], t["tile_q"], t["block_k"], t["full_kh"], t["nbuf"]) == (1, 1, 256, ck, 0, 3)
         lay = FAM.layout(spec)
-        assert not lay["WRES"] and lay["SPT"] == 64 // ck * 5 and lay["NTH"] == 384
+        assert not lay["WRES"] and lay["SPT"] == 64 // ck * 5 and lay["NTH"] == 384 and lay["XSETS"] == 1
         # The staged epilogue, in the ring: no staging area of its own.
         assert t["stage_out"] == 1 and lay["RSTAGE"] and lay["EPI_BYTES"] == 0
         # The launch gives 384 threads 168 registers each; the split stays within that pool.

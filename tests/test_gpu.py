@@ -237,6 +237,12 @@ def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
         cases.append(Case(4100 + idx, 2, C, K, 1, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, dtype,
                           "tf32" if dtype == "float32" else None, "contiguous", 9 + idx % 4, W, "wgmma",
                           (("stage_out", 1), ("ws", 1))))
+    # 16-bit one-stage tiles load through two sets of groups (XSETS 2) that swap roles every
+    # tile: blocks of several tiles, odd and even counts, padding and a partial channel chunk.
+    for idx, (dtype, N, C, padding, H, W) in enumerate([("bfloat16", 3, 16, 0, 64, 264),
+                                                        ("float16", 2, 24, 8, 41, 392)]):
+        cases.append(Case(4108 + idx, N, C, 128, 1, (3, 3), (1, 1), padding, (1, 1), idx == 0, dtype, None,
+                          "contiguous", H, W, "wgmma", (("stage_out", 1), ("ws", 1))))
     return cases
 
 

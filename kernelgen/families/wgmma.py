@@ -52,6 +52,8 @@ SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 # ws producer 16 more: case 56 bf16's, with both of its input paths, spilled with 128 and not
 # with 136).
 REG_OVERHEAD = 48
+# The ws producer's group path beside its groups: addresses, cursor and loop state.
+GROUP_REGS = 32
 MAX_REGS = 255
 REG_FILE = 65536  # 32-bit registers per SM
 # 3xTF32 over a reduction longer than this sums each stage apart (FLUSH): wgmma accumulates by
@@ -120,15 +122,23 @@ class WgmmaFamily(Family):
         # per group of cpv columns, x_groups; or two sets of rows, 16-bit unaligned) and offsets,
         # a consumer the accumulators.
         acc = tp * tq // 2 * (2 if flush else 1) + (4 * nks if areg else 0)  # (and the A fragments)
+        xsets = 1
         if ws:
+            # The producer's two input paths: 16-byte groups (4 * cpv registers per group of cpv
+            # columns, x_groups; 16-bit: two sets with one stage per tile where they fit) and rows
+            # (two sets of rows for 16-bit, and each row's offset with one stage per tile).
             xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
-            prod = max(4 * cpv * xg, 0 if xasync else 8 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD + 16
+            rows = 0 if xasync else 8 * xpt
+            prod = max(4 * cpv * xg, rows) + (2 * xpt if wres else 0) + REG_OVERHEAD + 16
+            share = REG_FILE // nth // 8 * 8
+            if wres and cpv == 8 and 8 * cpv * xg + GROUP_REGS <= share:
+                xsets = 2  # (16-bit: float32's two sets of 4 groups ran case 63 TF32 at 7.0 ms, not 4.7)
+                prod = max(8 * cpv * xg + GROUP_REGS, rows + 2 * xpt + REG_OVERHEAD + 16)
             regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
             if nth * regs > REG_FILE:
                 # setmaxnreg: the producer keeps what it needs, the consumers share the rest of the
                 # launch's registers (each thread's even share, in multiples of 8). Only that way
                 # round: ptxas refuses a producer "decrease" above the kernel's own count.
-                share = REG_FILE // nth // 8 * 8
                 pregs = max(24, 8 * _ceil(prod, 8))
                 cregs = min(MAX_REGS + 1, (nth * share - 128 * pregs) // ncon // 8 * 8)
                 if pregs < share and acc + REG_OVERHEAD <= cregs:
@@ -142,7 +152,7 @@ class WgmmaFamily(Family):
             "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "WS": ws, "NTP": ntp, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
-            "XASYNC": xasync, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush, "AREG": areg,
+            "XASYNC": xasync, "XSETS": xsets, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush, "AREG": areg,
             "EPI_BYTES": epi, "RSTAGE": rstage, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec,
             # per thread (ws with a register split: a consumer's, within CREGS)
