@@ -153,6 +153,9 @@ def test_short_reductions_take_the_producer_warpgroup():
         # 16-bit producers keep two tiles' loads in flight (two sets of groups); float32's
         # four groups a tile keep one set.
         assert lay["XSETS"] == (1 if dtype == "float32" else 2)
+        # 16-bit also builds the whole-line epilogue, whose staging rows hold a line's shift.
+        assert lay["LINES"] == (dtype != "float32")
+        assert lay["ESRS"] >= 128 + (64 if lay["LINES"] else 4)
     with pytest.raises(Unsupported, match="exclusive"):
         FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1})
 
@@ -166,6 +169,7 @@ def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
         assert (t["ws"], t["tile_p"], t["tile_q"], t["block_k"], t["full_kh"], t["nbuf"]) == (1, 1, 256, ck, 0, 3)
         lay = FAM.layout(spec)
         assert not lay["WRES"] and lay["SPT"] == 64 // ck * 5 and lay["NTH"] == 384 and lay["XSETS"] == 1
+        assert not lay["LINES"]
         # The staged epilogue, in the ring: no staging area of its own.
         assert t["stage_out"] == 1 and lay["RSTAGE"] and lay["EPI_BYTES"] == 0
         # The launch gives 384 threads 168 registers each; the split stays within that pool.

@@ -243,6 +243,16 @@ def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
                                                         ("float16", 2, 24, 8, 41, 392)]):
         cases.append(Case(4108 + idx, N, C, 128, 1, (3, 3), (1, 1), padding, (1, 1), idx == 0, dtype, None,
                           "contiguous", H, W, "wgmma", (("stage_out", 1), ("ws", 1))))
+    # 16-bit outputs of 4 rows or more a block (132 blocks on an H100, 66 a group with two) take
+    # the whole-line epilogue (LINES): rows several tiles wide, one tile wide, a cut last tile of
+    # 2 columns, partial channel blocks, groups, odd row widths, a strided input.
+    for idx, (dtype, N, C, K, groups, padding, H, W, layout) in enumerate([
+            ("bfloat16", 1, 16, 128, 1, 0, 600, 300, "contiguous"),
+            ("float16", 2, 24, 80, 1, 1, 300, 130, "strided_view"),
+            ("bfloat16", 4, 16, 128, 1, 0, 142, 101, "contiguous"),
+            ("float16", 1, 32, 256, 2, 1, 300, 259, "contiguous")]):
+        cases.append(Case(4110 + idx, N, C, K, groups, (3, 3), (1, 1), padding, (1, 1), idx % 2 == 0, dtype, None,
+                          layout, H, W, "wgmma", (("stage_out", 1), ("ws", 1))))
     return cases
 
 
