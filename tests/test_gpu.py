@@ -591,6 +591,8 @@ MEMCHECK = textwrap.dedent("""
             for so in (1, 0):
                 run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
                     tiles={{"tile_p": 1, "tile_q": 256, "stage_out": so}}, **prec)
+            if dtype == torch.bfloat16:  # whole lines (4 output rows a block or more), two sets of groups
+                run("wgmma", dtype, (1, 16, 560, 264), (128, 16, 3, 3), view=False)
             if dtype == torch.float32:  # 3xTF32: one stage (weight pairs resident), and per-stage sums
                 run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, precision="ieee")
                 run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
