@@ -136,11 +136,12 @@ class WgmmaFamily(Family):
             # (two sets of rows for 16-bit, and each row's offset with one stage per tile).
             xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
             rows = 0 if xasync else 8 * xpt
-            prod = max(4 * cpv * xg, rows) + (2 * xpt if wres else 0) + REG_OVERHEAD + 16
+            beside = (2 * xpt if wres else 0) + REG_OVERHEAD + 16  # offsets and addresses
+            prod = max(4 * cpv * xg, rows) + beside
             share = REG_FILE // nth // 8 * 8
             if wres and cpv == 8 and 8 * cpv * xg + GROUP_REGS <= share:
                 xsets = 2  # (16-bit: float32's two sets of 4 groups ran case 63 TF32 at 7.0 ms, not 4.7)
-                prod = max(8 * cpv * xg + GROUP_REGS, rows + 2 * xpt + REG_OVERHEAD + 16)
+                prod = max(8 * cpv * xg + GROUP_REGS, rows + beside)
             regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
             if nth * regs > REG_FILE:
                 # setmaxnreg: the producer keeps what it needs, the consumers share the rest of the
