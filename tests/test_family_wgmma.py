@@ -169,7 +169,13 @@ def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
         t = dict(spec.tiles)
         assert (t["ws"], t["tile_p"], t["tile_q"], t["block_k"], t["full_kh"], t["nbuf"]) == (1, 1, 256, ck, 0, 3)
         lay = FAM.layout(spec)
-        assert not lay["WRES"] and lay["SPT"] == 64 // ck * 5 and lay["NTH"] == 384 and lay["XSETS"] == 1
+        assert not lay["WRES"] and lay["SPT"] == 64 // ck * 5 and lay["NTH"] == 384
+        # float32's producer holds two sets of 16-byte groups (the next stage's loads in flight
+        # while this one waits for its slot): 3 groups of 4 a set, with the stage's cursor and
+        # weight copy beside them; 16-bit keeps one.
+        assert lay["XSETS"] == (2 if dtype == "float32" else 1)
+        if dtype == "float32":
+            assert (lay["PREGS"], lay["CREGS"]) == (2 * 3 * 4 * 4 + 32 + 24, 176)
         assert not lay["LINES"]
         # The staged epilogue, in the ring: no staging area of its own.
         assert t["stage_out"] == 1 and lay["RSTAGE"] and lay["EPI_BYTES"] == 0

@@ -282,6 +282,15 @@ def make_ws_stage_cases(n: int, seed: int = 9753) -> list[Case]:
         W = max(rng.choice([rng.randint(3, 300), 64, 136, 264, 280]), ew)
         cases.append(Case(4400 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
                           dtype, "tf32" if dtype == "float32" else None, layout, H, W, "wgmma", tuple(tiles)))
+    # float32 producers over several stages hold two sets of 16-byte groups (XSETS 2): 56's own
+    # tiles, 256-column tiles over a cut second tile with a partial channel chunk and padding,
+    # 3xTF32 with its per-stage sums; two or three tiles a block, so the sets swap roles.
+    for idx, (precision, C, K, kernel, padding, H, W, tiles) in enumerate([
+            ("tf32", 64, 128, (5, 7), 0, 150, 256, ()),
+            ("tf32", 40, 128, (3, 3), 4, 100, 300, (("tile_p", 1), ("tile_q", 256), ("block_k", 16))),
+            ("ieee", 40, 80, (3, 5), (1, 4), 70, 132, ())]):
+        cases.append(Case(4430 + idx, 2, C, K, 1, kernel, (1, 1), padding, (1, 1), idx != 1, "float32", precision,
+                          "contiguous", H, W, "wgmma", (("ws", 1),) + tiles))
     return cases
 
 
@@ -585,8 +594,8 @@ MEMCHECK = textwrap.dedent("""
             run("wgmma", dtype, (2, 16, 19, 133), (64, 16, 3, 3), **prec)  # rows 8 bytes off, a 2-column tile
             run("wgmma", dtype, (2, 48, 13, 40), (128, 48, 5, 7), stride=(2, 1), padding=(2, 0), **prec)
             run("wgmma", dtype, (2, 64, 9, 33), (192, 32, 1, 1), groups=2, **prec)
-            # Several stages a tile through the producer, 16-byte loads (aligned rows), a partial
-            # channel chunk, and 1 x 256 tiles (the register split).
+            # Several stages a tile through the producer, 16-byte loads (aligned rows; float32: two
+            # sets of them), a partial channel chunk, and 1 x 256 tiles (the register split).
             # Output staged in the ring's held slots (the default) and stored from the fragments.
             for so in (1, 0):
                 run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),

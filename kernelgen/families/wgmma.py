@@ -55,8 +55,11 @@ SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 # ws producer 16 more: case 56 bf16's, with both of its input paths, spilled with 128 and not
 # with 136).
 REG_OVERHEAD = 48
-# The ws producer's group path beside its groups: addresses, cursor and loop state.
+# The ws producer's group path beside its groups: addresses, cursor and loop state; with several
+# stages a tile STAGE_REGS more (the stage's weight copy, the stage within the tile: case 56
+# TF32's two sets spilled 40 bytes with 128 registers, none with 152).
 GROUP_REGS = 32
+STAGE_REGS = 24
 MAX_REGS = 255
 REG_FILE = 65536  # 32-bit registers per SM
 # 3xTF32 over a reduction longer than this sums each stage apart (FLUSH): wgmma accumulates by
@@ -132,16 +135,22 @@ class WgmmaFamily(Family):
         xsets = 1
         if ws:
             # The producer's two input paths: 16-byte groups (4 * cpv registers per group of cpv
-            # columns, x_groups; 16-bit: two sets with one stage per tile where they fit) and rows
-            # (two sets of rows for 16-bit, and each row's offset with one stage per tile).
+            # columns, x_groups; two sets where they fit: 16-bit with one stage per tile, float32
+            # with several) and rows (two sets of rows for 16-bit, and each row's offset with one
+            # stage per tile).
             xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
             rows = 0 if xasync else 8 * xpt
             beside = (2 * xpt if wres else 0) + REG_OVERHEAD + 16  # offsets and addresses
             prod = max(4 * cpv * xg, rows) + beside
             share = REG_FILE // nth // 8 * 8
-            if wres and cpv == 8 and 8 * cpv * xg + GROUP_REGS <= share:
-                xsets = 2  # (16-bit: float32's two sets of 4 groups ran case 63 TF32 at 7.0 ms, not 4.7)
-                prod = max(8 * cpv * xg + GROUP_REGS, rows + beside)
+            # Two sets, measured (H100): 16-bit one-stage tiles gain (63 bf16 3.14-3.18 ms against
+            # 3.27-3.29), float32 ones lose (63 TF32 6.9-7.0 against 4.7); float32 over several
+            # stages gains (56 TF32 1.82-1.83 against 1.93-1.96, 3xTF32 even), 16-bit there loses
+            # (56 bf16 1.16-1.18 against 1.06, its producer short of registers).
+            two = 8 * cpv * xg + GROUP_REGS + (0 if wres else STAGE_REGS)
+            if two <= share and (cpv == 8 if wres else xasync):
+                xsets = 2
+                prod = max(two, rows + beside)
             regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
             if nth * regs > REG_FILE:
                 # setmaxnreg: the producer keeps what it needs, the consumers share the rest of the
