@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU host's one job: the GPU test tier, the examples and the benchmarks, with every
-# log and result under $OUT (or ./gpu-out when OUT is unset).
+# log and result under $OUT (or ./gpu-out when OUT is unset): env.txt, gpu_tests.log,
+# examples.log, benches.log and the benchmarks' JSON, seven files at most (the device hands
+# back eight).
 #
 #   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests examples bench ceiling machinery (default: all)
 #
@@ -19,6 +21,9 @@ export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-$PWD/.kgcache}
 export KERNELGEN_JOBS=${KERNELGEN_JOBS:-$(nproc)}
 mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
 status=0
+# The logs the stages below append to start empty.
+if want examples; then : > "$out/examples.log"; fi
+if want bench || want ceiling || want machinery; then : > "$out/benches.log"; fi
 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
   | tee "$out/env.txt"
@@ -31,23 +36,23 @@ if want tests; then
 fi
 if want examples; then
   # Warm every example's kernels ahead of time, then the main job must compile nothing.
-  python3 -m kernelgen warm --examples --jobs "$KERNELGEN_JOBS" 2>&1 | tee "$out/warm_examples.log" | tail -8
+  python3 -m kernelgen warm --examples --jobs "$KERNELGEN_JOBS" 2>&1 | tee -a "$out/examples.log" | tail -8
   status=$(( status | ${PIPESTATUS[0]} ))
   for p in tf32 ieee bf16; do
-    python3 examples/run_all.py --precision $p 2>&1 | tee "$out/run_all_$p.log"
+    python3 examples/run_all.py --precision $p 2>&1 | tee -a "$out/examples.log"
     status=$(( status | ${PIPESTATUS[0]} ))
   done
 fi
 if want bench; then
-  python3 benchmarks/bench_cases.py --json "$out/bench_cases.json" 2>&1 | tee "$out/bench_cases.log"
+  python3 benchmarks/bench_cases.py --json "$out/bench_cases.json" 2>&1 | tee -a "$out/benches.log"
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if want ceiling; then
-  python3 benchmarks/bench_ceiling.py --json "$out/bench_ceiling.json" 2>&1 | tee "$out/bench_ceiling.log"
+  python3 benchmarks/bench_ceiling.py --json "$out/bench_ceiling.json" 2>&1 | tee -a "$out/benches.log"
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if want machinery; then
-  python3 benchmarks/bench_machinery.py --json "$out/bench_machinery.json" 2>&1 | tee "$out/bench_machinery.log"
+  python3 benchmarks/bench_machinery.py --json "$out/bench_machinery.json" 2>&1 | tee -a "$out/benches.log"
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 echo "gpu_all.sh${stages% }: exit status $status"
