@@ -144,11 +144,13 @@ class WgmmaFamily(Family):
             prod = max(4 * cpv * xg, rows) + beside
             share = REG_FILE // nth // 8 * 8
             # Two sets, measured (H100): 16-bit one-stage tiles gain (63 bf16 3.14-3.18 ms against
-            # 3.27-3.29), float32 ones lose (63 TF32 6.9-7.0 against 4.7); float32 over several
-            # stages gains (56 TF32 1.82-1.83 against 1.93-1.96, 3xTF32 even), 16-bit there loses
-            # (56 bf16 1.16-1.18 against 1.06, its producer short of registers).
+            # 3.27-3.29), float32 ones lose (63 TF32 6.9-7.0 against 4.7); float32 one-row tiles
+            # over several stages gain (56 TF32 1.82-1.83 against 1.93-1.96, 3xTF32 even), two-row
+            # ones lose a little (TF32 2x128 tiles, 64->128 3x3 on 512x512: 2.22 against 2.17;
+            # 32->128 5x5 on 256x512: 1.25 against 1.15-1.18), and 16-bit there loses (56 bf16
+            # 1.16-1.18 against 1.06, its producer short of registers).
             two = 8 * cpv * xg + GROUP_REGS + (0 if wres else STAGE_REGS)
-            if two <= share and (cpv == 8 if wres else xasync):
+            if two <= share and (cpv == 8 if wres else xasync and tp == 1):
                 xsets = 2
                 prod = max(two, rows + beside)
             regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
