@@ -99,7 +99,7 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype, math):
         assert lay["WS"] and not lay["WRES"] and 4 * 16 * lay["ESRS"] * esize <= 16 * slot
         epi = 0
     assert lay["EPI_BYTES"] == epi and lay["ESRS"] >= lay["TQ"] + 16 // esize
-    resident = (1 if lay["AREG"] else nspl) * lay["WVEC"] if lay["WRES"] else 0  # a_regs: small weights in registers
+    resident = (nspl - lay["AREG"]) * lay["WVEC"] if lay["WRES"] else 0  # a_regs: TF32 or small weights in registers
     assert lay["SMEM_BYTES"] == (16 * (resident + lay["NBUF"] * slot) + epi +
                                  (16 * lay["NBUF"] if lay["WS"] else 0))
     # The workspace holds every weight, padded to whole stages and m-blocks.
@@ -154,9 +154,23 @@ def test_short_reductions_take_the_producer_warpgroup():
         # 16-bit producers keep two tiles' loads in flight (two sets of groups); float32's
         # four groups a tile keep one set.
         assert lay["XSETS"] == (1 if dtype == "float32" else 2)
-        # 16-bit also builds the whole-line epilogue, whose staging rows hold a line's shift.
+        # 16-bit also builds the whole-line epilogue, whose staging rows hold a line's shift
+        # (64 elements); float32's resident weights (72 KB) leave no room for its 32 more.
         assert lay["LINES"] == (dtype != "float32")
         assert lay["ESRS"] >= 128 + (64 if lay["LINES"] else 4)
+        if dtype == "float32":
+            # TF32 weights forced into the consumers' registers (a_regs=1, 18 k-steps of 4) free
+            # that shared memory for the whole-line rows: none of it resident, 4 slots fit.
+            on = FAM.layout(spec, {**t, "a_regs": 1, "nbuf": 4})
+            assert on["AREG"] and on["LINES"] and on["ESRS"] == 168
+            assert on["SMEM_BYTES"] == 16 * 4 * on["XVEC"] + 8 * 16 * 168 * 4 + 16 * 4 <= SMEM_LIMIT
+            # Accumulators and A fragments (64 + 72) outgrow the even share of 168: the producer
+            # (its 4 groups of 16, GROUP_REGS and 13 rows' offsets: 128) gives registers back.
+            assert on["REGS"] == 64 + 72 + 48 <= on["CREGS"] == 184 and on["PREGS"] == 128
+            assert 128 * on["PREGS"] + 256 * on["CREGS"] <= 384 * 168
+            FAM.check_tiles(spec, {**t, "a_regs": 1, "nbuf": 4})
+            with pytest.raises(Unsupported, match="shared memory"):
+                FAM.check_tiles(spec, {**t, "a_regs": 1, "nbuf": 6})
     with pytest.raises(Unsupported, match="exclusive"):
         FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1})
 
@@ -209,12 +223,14 @@ def test_strict_float32_runs_3xtf32_with_partial_sums_over_long_reductions():
         if case == "63":
             with pytest.raises(Unsupported, match="shared memory"):
                 FAM.check_tiles(spec, {**t, "a_regs": 0})
-    # Registers hold the small weights only for 3xTF32 with one stage a tile.
+    # Registers hold weights only for float32 with one stage a tile.
     with pytest.raises(Unsupported, match="a_regs"):
-        FAM.check_tiles(_choose(**CASES["63"], family="wgmma"), {**dict(_choose(**CASES["63"]).tiles), "a_regs": 1})
-    spec56 = _choose(**CASES["56"], math="ieee")
-    with pytest.raises(Unsupported, match="a_regs"):
-        FAM.check_tiles(spec56, {**dict(spec56.tiles), "a_regs": 1})
+        spec63 = _choose(**CASES["63"], dtype="bfloat16", family="wgmma")
+        FAM.check_tiles(spec63, {**dict(spec63.tiles), "a_regs": 1})
+    for math in ("ieee", "tf32"):
+        spec56 = _choose(**CASES["56"], math=math)
+        with pytest.raises(Unsupported, match="a_regs"):
+            FAM.check_tiles(spec56, {**dict(spec56.tiles), "a_regs": 1})
     # A short reduction over several stages sums in one accumulator too; a long one does not.
     short = _choose(x=(2, 16, 40, 70), w=(128, 16, 3, 3), math="ieee", family="wgmma", tiles={"block_k": 8})
     assert FAM.layout(short)["SPT"] > 1 and 16 * 9 <= FLUSH_K and not FAM.layout(short)["FLUSH"]
@@ -249,6 +265,7 @@ WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "floa
 @pytest.mark.parametrize("case,dtype,tiles", [("56", "float32", None), ("56", "bfloat16", None),
                                               ("56", "float16", {"ws": 0}), ("63", "float16", None),
                                               ("63", "float32", None), ("63", "float32", {"overlap": 1}),
+                                              ("63", "float32", {"a_regs": 1, "nbuf": 4}),
                                               ("87", "float32", None), ("56", "ieee", None), ("63", "ieee", None),
                                               ("87", "ieee", None), ("56", "ieee", {"ws": 0})])
 def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):

@@ -253,6 +253,21 @@ def make_ws_cases(n: int, seed: int = 8642) -> list[Case]:
             ("float16", 1, 32, 256, 2, 1, 300, 259, "contiguous")]):
         cases.append(Case(4110 + idx, N, C, K, groups, (3, 3), (1, 1), padding, (1, 1), idx % 2 == 0, dtype, None,
                           layout, H, W, "wgmma", (("stage_out", 1), ("ws", 1))))
+    # TF32 with its weights in the consumers' registers (a_regs=1), which makes room for the
+    # whole-line epilogue: the same kinds of outputs, a 1x1 kernel, a partial channel chunk and
+    # one consumer warpgroup; and outputs of too few rows for it, whose rows start off 16 bytes
+    # (the width-adaptive kernel) or on them (16-byte chunks).
+    for idx, (N, C, K, groups, kernel, padding, H, W, layout) in enumerate([
+            (1, 16, 128, 1, (3, 3), 0, 600, 300, "contiguous"),
+            (2, 12, 80, 1, (3, 3), 1, 300, 130, "strided_view"),
+            (4, 16, 128, 1, (3, 3), 0, 142, 101, "contiguous"),
+            (1, 32, 256, 2, (3, 3), 1, 300, 259, "contiguous"),
+            (1, 16, 128, 1, (1, 1), 0, 560, 262, "strided_view"),
+            (2, 8, 64, 1, (3, 1), 0, 300, 70, "contiguous"),
+            (2, 16, 128, 1, (3, 3), 1, 19, 70, "contiguous"),
+            (2, 8, 64, 1, (3, 3), 1, 40, 136, "contiguous")]):
+        cases.append(Case(4120 + idx, N, C, K, groups, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, "float32",
+                          "tf32", layout, H, W, "wgmma", (("stage_out", 1), ("ws", 1), ("a_regs", 1))))
     return cases
 
 
@@ -600,8 +615,10 @@ MEMCHECK = textwrap.dedent("""
             for so in (1, 0):
                 run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),
                     tiles={{"tile_p": 1, "tile_q": 256, "stage_out": so}}, **prec)
-            if dtype == torch.bfloat16:  # whole lines (4 output rows a block or more), two sets of groups
-                run("wgmma", dtype, (1, 16, 560, 264), (128, 16, 3, 3), view=False)
+            # Whole lines (4 output rows a block or more): bf16 with two sets of groups, TF32 with
+            # its weights in registers.
+            lines = dict(tiles={{"a_regs": 1, "nbuf": 4}}) if dtype == torch.float32 else {{}}
+            run("wgmma", dtype, (1, 16, 560, 264), (128, 16, 3, 3), view=False, **lines, **prec)
             if dtype == torch.float32:  # 3xTF32: one stage (weight pairs resident), and per-stage sums
                 run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, precision="ieee")
                 run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),

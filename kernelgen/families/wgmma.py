@@ -29,10 +29,11 @@ stage's weight copy on the bulk-copy engine) and hands each slot over through mb
 while the consumer warpgroups only issue MMAs and store; no block-wide barrier stands in the
 main loop. With one stage per tile the consumers start half a tile apart, so one's MMAs run
 under the other's epilogue. Where a consumer's accumulators outgrow the launch's even share
-of registers (1 x 256 tiles), the producer gives some back (setmaxnreg). 16-bit one-row
-tiles of one stage also build a kernel that writes whole 128-byte lines: the launch deals
-blocks whole output rows, and each channel's row carries its unfinished last line from one
-tile to the next (case 63 bf16 on the H100: 2.84-2.88 ms against 3.11-3.15).
+of registers (1 x 256 tiles), the producer gives some back (setmaxnreg). One-row tiles of one
+stage (16-bit, and TF32 with its weights in the consumers' registers) also build a kernel that
+writes whole 128-byte lines: the launch deals blocks whole output rows, and each channel's row
+carries its unfinished last line from one tile to the next (case 63 bf16 on the H100: 2.84-2.88
+ms against 3.11-3.15).
 
 Layout constants come from `layout()`, the one place `check_tiles` and the template take
 them from.
@@ -99,12 +100,13 @@ class WgmmaFamily(Family):
         nspl = 2 if split else 1
         k_total = spec.cin_per_group * kh * kw
         flush = split and spt > 1 and k_total > FLUSH_K
-        # a_regs (3xTF32, resident weights): the small weights live in the consumers' registers
-        # as wgmma A fragments (4 a k-step), only the big ones in shared memory.
+        # a_regs (float32, resident weights): weights live in the consumers' registers as wgmma A
+        # fragments (4 a k-step): TF32 all of them, 3xTF32 the small ones (the big ones stay in
+        # shared memory).
         areg = bool(t.get("a_regs", 0))
         nks = kr * kw * nch // 2  # wgmma k-steps a stage
         slot = nspl * ((0 if wres else wvec) + xvec)
-        smem = 16 * (((1 if areg else nspl) * wvec if wres else 0) + nbuf * slot)
+        smem = 16 * (((nspl - 1 if areg else nspl) * wvec if wres else 0) + nbuf * slot)
         ws = bool(t.get("ws", 0))  # warp-specialised: one producer warpgroup stages the input
         ncon = 128 * (bm // 64)  # consumer threads: one warpgroup per 64 output channels
         nth = ncon + (128 if ws else 0)
@@ -114,10 +116,12 @@ class WgmmaFamily(Family):
         # all TP output rows with overlap=1 (they leave under the next tile's MMAs).
         overlap = bool(t.get("overlap", 0))
         esz = 4 if spec.dtype == "float32" else 2
-        # 16-bit one-row tiles of one stage under a producer also get a kernel that writes whole
-        # 128-byte lines (LINES: each row carries its unfinished last line to the row's next tile),
-        # so their staging rows hold a line's shift, not a chunk's.
-        lines = bool(t.get("stage_out", 0)) and ws and wres and tp == 1 and esz == 2 and not overlap
+        # One-row tiles of one stage under a producer also get a kernel that writes whole 128-byte
+        # lines (LINES: each row carries its unfinished last line to the row's next tile), so their
+        # staging rows hold a line's shift, not a chunk's: 16-bit, and float32 with its weights in
+        # registers (their shared memory is what makes room for 168-element rows).
+        lines = (bool(t.get("stage_out", 0)) and ws and wres and tp == 1 and not overlap
+                 and (esz == 2 or (areg and not split)))
         esrs = staged_row(tq + (128 - 16) // esz if lines else tq, esz)
         epi = (ncon // 32) * (tp if overlap else 1) * 16 * esrs * esz if t.get("stage_out", 0) else 0
         # ws with several stages a tile stages its output in the ring instead (RSTAGE): each
@@ -136,12 +140,19 @@ class WgmmaFamily(Family):
         if ws:
             # The producer's two input paths: 16-byte groups (4 * cpv registers per group of cpv
             # columns, x_groups; two sets where they fit: 16-bit with one stage per tile, float32
-            # with several) and rows (two sets of rows for 16-bit, and each row's offset with one
-            # stage per tile).
+            # with several) and rows (two sets of rows for 16-bit), both with each row's offset
+            # when a tile takes one stage. The group path of one-stage tiles needs GROUP_REGS
+            # beside its groups and offsets (ptxas, case 63 TF32 with its weights in the consumers'
+            # registers, 64 group registers and 26 offsets: 112 registers spilled 80 bytes, 128
+            # none); over several stages both paths keep the estimate they were measured with.
             xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
             rows = 0 if xasync else 8 * xpt
-            beside = (2 * xpt if wres else 0) + REG_OVERHEAD + 16  # offsets and addresses
-            prod = max(4 * cpv * xg, rows) + beside
+            offs = 2 * xpt if wres else 0
+            beside = offs + REG_OVERHEAD + 16  # offsets and addresses
+            if wres:
+                prod = max(4 * cpv * xg + GROUP_REGS + offs, rows + beside)
+            else:
+                prod = max(4 * cpv * xg, rows) + beside
             share = REG_FILE // nth // 8 * 8
             # Two sets, measured (H100): 16-bit one-stage tiles gain (63 bf16 3.14-3.18 ms against
             # 3.27-3.29), float32 ones lose (63 TF32 6.9-7.0 against 4.7); float32 one-row tiles
@@ -202,8 +213,8 @@ class WgmmaFamily(Family):
             raise Unsupported("kernel rows per stage must divide the kernel height")
         if lay["CREGS"] and t["min_blocks"] > 1:
             raise Unsupported("a ws register split (setmaxnreg) needs min_blocks=1")
-        if lay["AREG"] and not (lay["SPLIT3"] and lay["WRES"]):
-            raise Unsupported("a_regs=1 needs strict float32 (3xTF32) with the whole reduction in one stage "
+        if lay["AREG"] and not (spec.dtype == "float32" and lay["WRES"]):
+            raise Unsupported("a_regs=1 needs float32 with the whole reduction in one stage "
                               "(block_k covering the input channels of a group, full_kh=1)")
         if lay["WS"] and lay["OVERLAP"]:
             raise Unsupported("ws=1 and overlap=1 are exclusive")
@@ -272,6 +283,14 @@ class WgmmaFamily(Family):
           a_regs on 1 x 128 (no room for staging); case 87 5.46 (a_regs, 1 x 64, staged) /
           6.47, against 5.42-5.51 with both halves resident and 5.54 for 1 x 128 in two
           stages.
+        - TF32 keeps its weights in shared memory by default. A tuner may force a_regs=1 on
+          one-stage tiles: all weights in the consumers' registers as wgmma A fragments (4
+          registers a k-step), which frees their shared memory for the whole-line epilogue's
+          longer staging rows (LINES). H100, same process (ms, a_regs=1 in 4 slots / the
+          default): 16->128 3x3 on 16 x 1024 x 1024 (case 63) 4.64-4.74 / 4.74-4.77, with
+          padding 1 4.21-4.23 / 4.28, on a 1018-wide input 4.23-4.37 / 4.76-4.78; but
+          16->64 3x3 on 8 x 512 x 512 (padding 1) 0.461 / 0.429 and 32->128 3x1 1.035 /
+          0.830. In 5 slots case 63 ran 4.90-5.02.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
