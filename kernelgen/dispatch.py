@@ -9,11 +9,15 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    channels per group (8 float32, 16 bf16/fp16) and a reduction CIN_G*KH*KW >= 128
    (>= 64 for strict float32): Hopper's warpgroup MMA reads both operands from shared
    memory, which mma.sync cannot; compute-bound shapes gain most, and 3xTF32's three
-   products a k-step make strict float32 compute-bound even at 1x1.
+   products a k-step make strict float32 compute-bound even at 1x1. Also float32 first
+   layers: fewer than 8 input channels per group (padded to a k-step), a k x k kernel
+   (not 1x1), at least 64 output channels per group and output rows of 256 or more (two
+   whole 128-column tiles).
 3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
 4. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
-   reduction (CIN_G*KH*KW) is long enough to feed tensor cores.
+   reduction (CIN_G*KH*KW) is long enough to feed tensor cores. Below 4 channels too
+   for TF32 and 16-bit, and for strict float32 (3xTF32) with at most 9 kernel taps.
 5. direct: everything else (tiny channel counts, float64, strided layouts the fast
    families do not take). It honours arbitrary strides, so it never copies.
 
@@ -84,7 +88,7 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
         except Unsupported as exc:
             reasons.append(f"{name}: {exc}")
             continue
-        if family is None and not _worth_it(name, spec):
+        if family is None and not _worth_it(name, spec, problem):
             continue
         return spec
     if family is not None:
@@ -92,19 +96,35 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
     raise ConvArgumentError(f"no kernel family serves this convolution on {device}: {'; '.join(reasons)}")
 
 
-def _worth_it(name: str, spec: ConvSpec) -> bool:
+def _worth_it(name: str, spec: ConvSpec, problem: Problem) -> bool:
     """The size thresholds from the module docstring (correctness is the family's check)."""
+    kh, kw = spec.kernel_size
+    strict = spec.dtype == "float32" and spec.math == "ieee"
     if name == "pointwise":
         return spec.cin_per_group >= 8
     if name == "igemm":
-        return spec.cin_per_group >= 4
+        # First layers (1-3 input channels), H100, ms (igemm / direct / F.conv2d): 3->64 3x3 on
+        # 16 x 512 x 512 TF32 0.59 / 2.07 / 0.89, bf16 0.67 / 2.02 / 1.06, strict 0.99 / 2.04;
+        # 3->32 3x3 stride 2 on 32 x 224 x 224 TF32 0.11 / 0.22 / 0.08, strict 0.16 / 0.22;
+        # 3->64 3x3 on 32 x 224 x 224 strict 0.47 / 0.80 / 0.36. Strict 3xTF32 lost on larger
+        # kernels: 3->64 5x5 on 8 x 512 x 512 2.06 / 1.64, 7x7 stride 2 on 32 x 224 x 224
+        # 0.90 / 0.78.
+        return spec.cin_per_group >= 4 or not strict or kh * kw <= 9
     if name == "wgmma":
-        kh, kw = spec.kernel_size
         # Reductions of 128 and more. H100: case 56 (64x5x7) TF32 2.31 ms vs igemm 7.23, bf16 1.39
         # vs 5.67; case 63 (16x3x3) TF32 7.34 vs igemm 8.54, bf16 4.62 vs 6.33 (both staged);
         # case 87 (64x1x1) TF32 9.1 vs pointwise 4.7, bf16 4.8 vs 3.1 (before staging; 5.00 vs
         # 4.79 since). Strict float32 (3xTF32) from 64: case 87 5.42-5.46 vs pointwise 6.47.
-        strict = spec.dtype == "float32" and spec.math == "ieee"
-        return (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
-                and spec.cin_per_group * kh * kw >= (64 if strict else 128))
+        if (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
+                and spec.cin_per_group * kh * kw >= (64 if strict else 128)):
+            return True
+        # float32 first layers, H100, ms (wgmma / igemm / direct / F.conv2d), TF32 then strict:
+        # 3->64 3x3 on 16 x 512 x 512 0.52 / 0.59 / 2.07 / 0.89 and 0.71 / 0.99 / 2.04 / 0.89;
+        # 3->64 5x5 on 8 x 512 x 512 0.44 / 0.89 / 1.62 / 0.74 and 0.63 / 2.06 / 1.64 / 0.74;
+        # 4->64 3x3 0.53 / 0.60 and 0.73 / 1.02 (F.conv2d 0.99); 2->64 3x3 on 16 x 256 x 256
+        # 0.16 / 0.16 and 0.21 / 0.27 / 0.28 / 0.22. On 224-wide rows (a 96-column second
+        # tile) igemm wins: 3->64 3x3 on 32 x 224 x 224 TF32 0.40 / 0.28. bf16 was even (3->64
+        # 3x3: 0.66 / 0.67), so 16-bit keeps igemm.
+        return (spec.dtype == "float32" and spec.cin_per_group < 8 and kh * kw > 1
+                and spec.cout_per_group >= 64 and problem.Q >= 256)
     return True

@@ -69,6 +69,32 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     assert _choose(**CASES["56"], stride=(1, 2)).family == "igemm"
 
 
+@pytest.mark.parametrize("x,w,stride,padding,expect", [
+    # (TF32, strict, bf16): float32 first layers with rows of two 128-column tiles take wgmma
+    ((16, 3, 512, 512), (64, 3, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
+    ((8, 3, 512, 512), (64, 3, 5, 5), 1, 2, ("wgmma", "wgmma", "igemm")),
+    ((16, 2, 256, 256), (64, 2, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
+    ((16, 4, 512, 512), (64, 4, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
+    # narrower rows, fewer output channels, a column stride: igemm, strict 3xTF32 up to 9 taps
+    ((32, 3, 224, 224), (64, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
+    ((16, 3, 256, 256), (16, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
+    ((32, 3, 224, 224), (32, 3, 3, 3), 2, 1, ("igemm", "igemm", "igemm")),
+    ((32, 3, 224, 224), (64, 3, 7, 7), 2, 3, ("igemm", "direct", "igemm")),
+    # 1x1 stays pointwise's or direct's; 8 or more channels keep the rules they had
+    ((16, 3, 512, 512), (64, 3, 1, 1), 1, 0, ("igemm", "igemm", "igemm")),
+    ((16, 8, 512, 512), (64, 8, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
+])
+def test_dispatcher_serves_first_layers_on_tensor_cores(x, w, stride, padding, expect):
+    got = tuple(_choose(x, w, dtype=dt, math=m, stride=stride, padding=padding).family
+                for dt, m in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")))
+    assert got == expect
+    # Off Hopper no wgmma: igemm where it is worth it, else direct.
+    off = tuple(_choose(x, w, dtype=dt, math=m, stride=stride, padding=padding, arch="sm_80").family
+                for dt, m in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")))
+    assert off == tuple("igemm" if f == "wgmma" and (m != "ieee" or w[2] * w[3] <= 9) else
+                        "direct" if f == "wgmma" else f for f, m in zip(expect, ("tf32", "ieee", "ieee")))
+
+
 def test_refusals_say_why():
     with pytest.raises(Exception, match="sm_90a"):
         _choose(**CASES["56"], arch="sm_80", family="wgmma")

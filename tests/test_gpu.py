@@ -356,6 +356,28 @@ def make_ragged_cases() -> list[Case]:
     return cases
 
 
+def make_first_layer_cases() -> list[Case]:
+    """First layers (1-4 input channels) as the dispatcher serves them: on Hopper float32 rows
+    of 256 or more take wgmma (TF32 or 3xTF32, channels padded to a k-step), the rest igemm
+    (strict float32 up to 9 taps) or direct; every dtype, bias, a strided view, channels_last,
+    stride 2, unbatched."""
+    cases = []
+    for idx, (N, C, K, kernel, stride, padding, dtype, precision, layout, H, W) in enumerate([
+            (2, 3, 64, (3, 3), (1, 1), 1, "float32", "tf32", "contiguous", 24, 300),
+            (2, 3, 64, (3, 3), (1, 1), 1, "float32", "ieee", "contiguous", 24, 300),
+            (2, 3, 64, (5, 5), (1, 1), 2, "float32", "ieee", "strided_view", 20, 260),
+            (1, 2, 128, (3, 3), (1, 1), 1, "float32", "tf32", "contiguous", 16, 256),
+            (2, 4, 64, (3, 3), (1, 1), 0, "float32", None, "channels_last", 12, 270),
+            (2, 3, 32, (3, 3), (2, 2), 1, "float32", "ieee", "contiguous", 40, 40),
+            (2, 3, 64, (7, 7), (2, 2), 3, "float32", "ieee", "contiguous", 40, 40),
+            (2, 3, 64, (7, 7), (2, 2), 3, "bfloat16", None, "contiguous", 40, 40),
+            (2, 3, 16, (3, 3), (1, 1), 1, "float16", None, "strided_view", 30, 30),
+            (0, 3, 64, (3, 3), (1, 1), 1, "float32", "tf32", "contiguous", 9, 258)]):
+        cases.append(Case(4600 + idx, N, C, K, 1, kernel, stride, padding, (1, 1), idx % 2 == 0, dtype, precision,
+                          layout, H, W, None))
+    return cases
+
+
 def make_wide_tile_cases() -> list[Case]:
     """`wgmma` with 256-column tiles (the long reductions' first choice): both epilogues, float32
     and bf16, a row that spills two columns into a second tile."""
@@ -372,7 +394,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases()
                                 if HOPPER else []) +
-         make_staged_cases(48) + make_wide_pointwise_cases(24))
+         make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases())
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
