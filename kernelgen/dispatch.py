@@ -10,9 +10,10 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    (>= 64 for strict float32): Hopper's warpgroup MMA reads both operands from shared
    memory, which mma.sync cannot; compute-bound shapes gain most, and 3xTF32's three
    products a k-step make strict float32 compute-bound even at 1x1. Also float32 first
-   layers: fewer than 8 input channels per group (padded to a k-step), a k x k kernel
-   (not 1x1), at least 64 output channels per group and output rows of 256 or more (two
-   whole 128-column tiles).
+   layers: fewer than 8 input channels per group (padded to a k-step), a kernel other than
+   1x1, at least 64 output channels per group and output rows of 256 or more (two whole
+   128-column tiles); and on the same terms TF32 reductions under 128 whose channels per
+   group are whole k-steps (8, 16, ...).
 3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
 4. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
@@ -125,6 +126,14 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem) -> bool:
         # 0.16 / 0.16 and 0.21 / 0.27 / 0.28 / 0.22. On 224-wide rows (a 96-column second
         # tile) igemm wins: 3->64 3x3 on 32 x 224 x 224 TF32 0.40 / 0.28. bf16 was even (3->64
         # 3x3: 0.66 / 0.67), so 16-bit keeps igemm.
-        return (spec.dtype == "float32" and spec.cin_per_group < 8 and kh * kw > 1
+        # TF32 reductions under 128 from whole k-steps of channels, H100, same process (wgmma /
+        # igemm / F.conv2d, ms): 8->64 3x3 on 16 x 512 x 512 0.495 / 0.627 / 1.354; 8->128 3x3 on
+        # 8 x 512 x 512 0.476 / 0.624; 8->64 3x1 0.505 / 0.537; row stride 2 0.293 / 0.391; on 16 x
+        # 256 x 256 0.154 / 0.182; 16->64 3x1 0.649 / 0.743; 16->64 1x3 0.529 / 0.602; 32->128 3x1
+        # on 8 x 512 x 512 0.823 / 1.023 / 1.559; 24->128 3x1 0.641 / 1.287 / 0.817. 224-wide rows
+        # lose (0.393 / 0.294), 12 channels (padded to 16) are even (0.912 / 0.909), and bf16 8-
+        # and 12-channel layers lose (0.725 / 0.666, 0.845 / 0.655).
+        cin = spec.cin_per_group
+        return (spec.dtype == "float32" and (cin < 8 or (not strict and cin % 8 == 0)) and kh * kw > 1
                 and spec.cout_per_group >= 64 and problem.Q >= 256)
     return True

@@ -80,9 +80,15 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     ((16, 3, 256, 256), (16, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
     ((32, 3, 224, 224), (32, 3, 3, 3), 2, 1, ("igemm", "igemm", "igemm")),
     ((32, 3, 224, 224), (64, 3, 7, 7), 2, 3, ("igemm", "direct", "igemm")),
-    # 1x1 stays pointwise's or direct's; 8 or more channels keep the rules they had
+    # 1x1 stays pointwise's or direct's
     ((16, 3, 512, 512), (64, 3, 1, 1), 1, 0, ("igemm", "igemm", "igemm")),
-    ((16, 8, 512, 512), (64, 8, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
+    # TF32 reductions under 128 from a whole k-step of channels (8) take wgmma on such rows too,
+    # also 3x1 and with a row stride; 12 channels (padded to 16), or 224-wide rows, stay on igemm
+    ((16, 8, 512, 512), (64, 8, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
+    ((16, 8, 512, 512), (64, 8, 3, 1), 1, (1, 0), ("wgmma", "igemm", "igemm")),
+    ((16, 8, 512, 512), (64, 8, 3, 3), (2, 1), 1, ("wgmma", "wgmma", "igemm")),
+    ((16, 12, 512, 512), (64, 12, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
+    ((32, 8, 224, 224), (64, 8, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
 ])
 def test_dispatcher_serves_first_layers_on_tensor_cores(x, w, stride, padding, expect):
     got = tuple(_choose(x, w, dtype=dt, math=m, stride=stride, padding=padding).family

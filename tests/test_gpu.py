@@ -360,7 +360,8 @@ def make_first_layer_cases() -> list[Case]:
     """First layers (1-4 input channels) as the dispatcher serves them: on Hopper float32 rows
     of 256 or more take wgmma (TF32 or 3xTF32, channels padded to a k-step), the rest igemm
     (strict float32 up to 9 taps) or direct; every dtype, bias, a strided view, channels_last,
-    stride 2, unbatched."""
+    stride 2, unbatched. Also TF32 reductions under 128 from 8, 16 or 24 channels (wgmma on
+    such rows)."""
     cases = []
     for idx, (N, C, K, kernel, stride, padding, dtype, precision, layout, H, W) in enumerate([
             (2, 3, 64, (3, 3), (1, 1), 1, "float32", "tf32", "contiguous", 24, 300),
@@ -372,7 +373,11 @@ def make_first_layer_cases() -> list[Case]:
             (2, 3, 64, (7, 7), (2, 2), 3, "float32", "ieee", "contiguous", 40, 40),
             (2, 3, 64, (7, 7), (2, 2), 3, "bfloat16", None, "contiguous", 40, 40),
             (2, 3, 16, (3, 3), (1, 1), 1, "float16", None, "strided_view", 30, 30),
-            (0, 3, 64, (3, 3), (1, 1), 1, "float32", "tf32", "contiguous", 9, 258)]):
+            (0, 3, 64, (3, 3), (1, 1), 1, "float32", "tf32", "contiguous", 9, 258),
+            # TF32 reductions under 128 from whole k-steps of channels, on the same terms
+            (2, 8, 64, (3, 3), (1, 1), 1, "float32", "tf32", "contiguous", 20, 256),
+            (1, 16, 64, (3, 1), (2, 1), (1, 0), "float32", "tf32", "strided_view", 33, 270),
+            (2, 24, 128, (1, 3), (1, 1), (0, 1), "float32", "tf32", "contiguous", 11, 300)]):
         cases.append(Case(4600 + idx, N, C, K, 1, kernel, stride, padding, (1, 1), idx % 2 == 0, dtype, precision,
                           layout, H, W, None))
     return cases
