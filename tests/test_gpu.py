@@ -383,6 +383,25 @@ def make_first_layer_cases() -> list[Case]:
     return cases
 
 
+def make_short_reduction_cases() -> list[Case]:
+    """float32 reductions of 256-511 that do not fit one stage, as the dispatcher serves them on
+    Hopper: wgmma under a producer warpgroup over several stages a tile (one-row tiles for 128
+    output channels, two-row ones for 64), TF32 and 3xTF32, stride-2 rows, a strided view and
+    channels_last, a one-stage 1x5."""
+    cases = []
+    for idx, (N, C, K, kernel, stride, padding, precision, layout, H, W) in enumerate([
+            (2, 32, 128, (3, 3), (1, 1), 1, "tf32", "contiguous", 18, 260),
+            (1, 32, 128, (3, 3), (2, 1), 1, "ieee", "strided_view", 21, 270),
+            (2, 32, 64, (3, 3), (1, 1), 0, "tf32", "channels_last", 16, 300),
+            (2, 16, 64, (5, 5), (1, 1), 2, "tf32", "contiguous", 14, 300),
+            (2, 8, 64, (7, 7), (1, 1), 3, "ieee", "contiguous", 12, 280),
+            (2, 64, 64, (1, 5), (1, 1), (0, 2), "tf32", "contiguous", 10, 260),
+            (2, 48, 96, (3, 3), (1, 1), 1, "ieee", "contiguous", 9, 257)]):
+        cases.append(Case(4700 + idx, N, C, K, 1, kernel, stride, padding, (1, 1), idx % 2 == 0, "float32", precision,
+                          layout, H, W, None))
+    return cases
+
+
 def make_wide_tile_cases() -> list[Case]:
     """`wgmma` with 256-column tiles (the long reductions' first choice): both epilogues, float32
     and bf16, a row that spills two columns into a second tile."""
@@ -397,8 +416,8 @@ def make_wide_tile_cases() -> list[Case]:
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
-                                make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases()
-                                if HOPPER else []) +
+                                make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
+                                make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases())
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped

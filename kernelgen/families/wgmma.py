@@ -68,6 +68,10 @@ REG_FILE = 65536  # 32-bit registers per SM
 # case 56 (2240-long) with every operand positive: 2.5e-5 relative error in one accumulator,
 # 4.3e-7 summed a stage at a time. 256 is 96 truncations, a few 1e-6 at most.
 FLUSH_K = 256
+# float32 reductions from this long up to 512 that do not fit one stage try a producer warpgroup
+# first (default_tiles): 3xTF32 lost with one at 216 (24->128 3x3, 16 x 256 x 256: 1.04 ms
+# against 0.88 without), and won from 288 up (H100).
+SHORT_WS_K = 256
 ARCHS = ("sm_90a",)
 
 
@@ -274,6 +278,17 @@ class WgmmaFamily(Family):
           stage in the ring (RSTAGE: each consumer warpgroup in the slot of one of the
           tile's last stages): 56 TF32 1.94-1.95 against 1.96-1.98 stored from the
           fragments, bf16 1.04-1.05 against 1.09-1.11.
+        - float32 reductions of SHORT_WS_K (256) to 511 that do not fit one stage (32-56
+          channels 3x3, 8 channels 7x7, 16 channels 5x5) take the producer too, over several
+          stages a tile: one-row tiles first for 128 output channels, two-row ones for 64.
+          H100, same process (ms, kernelgen with / without the producer, F.conv2d): TF32
+          32->128 3x3 on 8 x 512 x 512 1.15 / 1.38 / 1.22, 32->64 0.63 / 1.12 / 0.99,
+          48->128 1.67 / 1.86 / 1.66, 16->128 5x5 1.42 / 1.48-1.55 / 1.33, 32->256 on 256 x 256
+          0.59 / 0.69 / 0.85, 32->128 on 32 x 224 x 224 1.06 / 1.29 / 0.95; 3xTF32 25-40%
+          faster on all of them (32->128 3x3 1.79 against 2.55-2.58). At 216 (24->128 3x3, 16 x
+          256 x 256) 3xTF32 lost with it (1.04 against 0.88), hence the threshold. 16-bit keeps
+          its order (one stage without a producer where it fits: 48->128 3x3 bf16 1.17 against
+          1.45 under a producer).
         - Strict float32 (3xTF32) takes the same order; its operand pairs fill shared memory
           twice as fast, and its per-stage partial sums double a long reduction's
           accumulators (no 1 x 256 or 2 x 128 tiles there). Short reductions (one stage a
@@ -333,6 +348,12 @@ class WgmmaFamily(Family):
                 # then 64-column tiles, stored from the fragments last.
                 order = [(1, 1, reductions[0], 1, tqs, nb, 1) for tqs in (tq, 64) for nb in (6, 5, 4, 3)] + order
                 order += [(so, 1, reductions[0], 1, 64, nb, 0) for so in (1, 0) for nb in (6, 5, 4, 3)]
+            if spec.dtype == "float32" and k_total >= SHORT_WS_K:
+                # float32 that does not fit one stage: a producer warpgroup first, as for long
+                # reductions, one-row tiles first where two consumer warpgroups share a tile.
+                rows = pixels if bm == 64 else pixels[::-1]
+                order += [(so, 1, r, tp, tqs, nb, 0) for so in (1, 0) for r in reductions for tp, tqs in rows
+                          for nb in r[2]]
             order += [(so, 0, *shape, 0) for so in (1, 0) for shape in shapes]
         else:
             order = [(so, 1, *shape, 0) for so in (1, 0) for shape in shapes]
