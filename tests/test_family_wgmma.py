@@ -214,8 +214,11 @@ def test_short_reductions_take_the_producer_warpgroup():
     ((8, 32, 512, 512), (128, 32, 3, 3), "ieee", 1, (1, 1)),
     ((8, 48, 512, 512), (96, 48, 3, 3), "ieee", 1, (1, 1)),
     ((8, 16, 512, 512), (128, 16, 5, 5), "tf32", 2, (1, 1)),
-    # two-row tiles where one consumer warpgroup holds them (64 channels)
+    # two-row tiles where one consumer warpgroup holds them (64 channels), or where the input
+    # rows take the producer's 16-byte loads (padding 0, width a multiple of 4)
     ((8, 32, 512, 512), (64, 32, 3, 3), "tf32", 1, (1, 2)),
+    ((8, 32, 512, 512), (128, 32, 3, 3), "tf32", 0, (1, 2)),
+    ((8, 56, 256, 512), (128, 56, 3, 3), "tf32", 0, (1, 2)),
     ((8, 16, 512, 512), (64, 16, 5, 5), "tf32", 2, (1, 2)),
     # under 256 (24->128 3x3: 216) no producer, as measured
     ((16, 24, 256, 256), (128, 24, 3, 3), "tf32", 1, (0, 2)),

@@ -386,8 +386,8 @@ def make_first_layer_cases() -> list[Case]:
 def make_short_reduction_cases() -> list[Case]:
     """float32 reductions of 256-511 that do not fit one stage, as the dispatcher serves them on
     Hopper: wgmma under a producer warpgroup over several stages a tile (one-row tiles for 128
-    output channels, two-row ones for 64), TF32 and 3xTF32, stride-2 rows, a strided view and
-    channels_last, a one-stage 1x5."""
+    output channels whose input takes 4-byte copies, two-row ones otherwise), TF32 and 3xTF32,
+    stride-2 rows, a strided view and channels_last, a one-stage 1x5."""
     cases = []
     for idx, (N, C, K, kernel, stride, padding, precision, layout, H, W) in enumerate([
             (2, 32, 128, (3, 3), (1, 1), 1, "tf32", "contiguous", 18, 260),
@@ -396,7 +396,8 @@ def make_short_reduction_cases() -> list[Case]:
             (2, 16, 64, (5, 5), (1, 1), 2, "tf32", "contiguous", 14, 300),
             (2, 8, 64, (7, 7), (1, 1), 3, "ieee", "contiguous", 12, 280),
             (2, 64, 64, (1, 5), (1, 1), (0, 2), "tf32", "contiguous", 10, 260),
-            (2, 48, 96, (3, 3), (1, 1), 1, "ieee", "contiguous", 9, 257)]):
+            (2, 48, 96, (3, 3), (1, 1), 1, "ieee", "contiguous", 9, 257),
+            (2, 40, 128, (3, 3), (1, 1), 0, "tf32", "contiguous", 12, 264)]):
         cases.append(Case(4700 + idx, N, C, K, 1, kernel, stride, padding, (1, 1), idx % 2 == 0, "float32", precision,
                           layout, H, W, None))
     return cases

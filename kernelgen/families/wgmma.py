@@ -280,11 +280,15 @@ class WgmmaFamily(Family):
           fragments, bf16 1.04-1.05 against 1.09-1.11.
         - float32 reductions of SHORT_WS_K (256) to 511 that do not fit one stage (32-56
           channels 3x3, 8 channels 7x7, 16 channels 5x5) take the producer too, over several
-          stages a tile: one-row tiles first for 128 output channels, two-row ones for 64.
-          H100, same process (ms, kernelgen with / without the producer, F.conv2d): TF32
-          32->128 3x3 on 8 x 512 x 512 1.15 / 1.38 / 1.22, 32->64 0.63 / 1.12 / 0.99,
-          48->128 1.67 / 1.86 / 1.66, 16->128 5x5 1.42 / 1.48-1.55 / 1.33, 32->256 on 256 x 256
-          0.59 / 0.69 / 0.85, 32->128 on 32 x 224 x 224 1.06 / 1.29 / 0.95; 3xTF32 25-40%
+          stages a tile: two-row tiles first, but one-row ones for 128 output channels whose
+          input rows take 4-byte copies (a padding or width that is not a multiple of 4).
+          H100, same process (ms, kernelgen with / without the producer, F.conv2d), padding 1:
+          TF32 32->128 3x3 on 8 x 512 x 512 1.15 / 1.38 / 1.22 (two-row tiles 1.30), 32->64
+          0.63 / 1.12 / 0.99, 48->128 1.67 / 1.86 / 1.66, 16->128 5x5 1.42 / 1.48-1.55 / 1.33,
+          32->256 on 256 x 256 0.59 / 0.69 / 0.85, 32->128 on 32 x 224 x 224 1.06 / 1.29 /
+          0.95; padding 0 (16-byte input groups), two-row / one-row tiles: 32->128 1.14 / 1.38,
+          48->128 1.56 / 1.94, 56->128 on 256 x 512 1.10 / 1.35, 32->128 on 224 x 224 1.01 /
+          1.26, 32->256 0.62 / 0.73 (F.conv2d 1.22, 1.64, 1.08, 0.96, 0.94); 3xTF32 25-40%
           faster on all of them (32->128 3x3 1.79 against 2.55-2.58). At 216 (24->128 3x3, 16 x
           256 x 256) 3xTF32 lost with it (1.04 against 0.88), hence the threshold. 16-bit keeps
           its order (one stage without a producer where it fits: 48->128 3x3 bf16 1.17 against
@@ -350,8 +354,10 @@ class WgmmaFamily(Family):
                 order += [(so, 1, reductions[0], 1, 64, nb, 0) for so in (1, 0) for nb in (6, 5, 4, 3)]
             if spec.dtype == "float32" and k_total >= SHORT_WS_K:
                 # float32 that does not fit one stage: a producer warpgroup first, as for long
-                # reductions, one-row tiles first where two consumer warpgroups share a tile.
-                rows = pixels if bm == 64 else pixels[::-1]
+                # reductions; one-row tiles first where two consumer warpgroups share a tile and
+                # the input rows do not start and end on 16 bytes (the producer's 4-byte copies).
+                groups = spec.padding[1] % cpv == 0 and problem.W % cpv == 0
+                rows = pixels if bm == 64 or groups else pixels[::-1]
                 order += [(so, 1, r, tp, tqs, nb, 0) for so in (1, 0) for r in reductions for tp, tqs in rows
                           for nb in r[2]]
             order += [(so, 0, *shape, 0) for so in (1, 0) for shape in shapes]
