@@ -387,7 +387,8 @@ def make_short_reduction_cases() -> list[Case]:
     """float32 reductions of 256-511 that do not fit one stage, as the dispatcher serves them on
     Hopper: wgmma under a producer warpgroup over several stages a tile (one-row tiles for 128
     output channels whose input takes 4-byte copies, two-row ones otherwise), TF32 and 3xTF32,
-    stride-2 rows, a strided view and channels_last, a one-stage 1x5."""
+    stride-2 rows, a strided view and channels_last, a one-stage 1x5; and float32 layers of
+    16-63 output channels that the dispatcher now sends to wgmma."""
     cases = []
     for idx, (N, C, K, kernel, stride, padding, precision, layout, H, W) in enumerate([
             (2, 32, 128, (3, 3), (1, 1), 1, "tf32", "contiguous", 18, 260),
@@ -397,7 +398,12 @@ def make_short_reduction_cases() -> list[Case]:
             (2, 8, 64, (7, 7), (1, 1), 3, "ieee", "contiguous", 12, 280),
             (2, 64, 64, (1, 5), (1, 1), (0, 2), "tf32", "contiguous", 10, 260),
             (2, 48, 96, (3, 3), (1, 1), 1, "ieee", "contiguous", 9, 257),
-            (2, 40, 128, (3, 3), (1, 1), 0, "tf32", "contiguous", 12, 264)]):
+            (2, 40, 128, (3, 3), (1, 1), 0, "tf32", "contiguous", 12, 264),
+            # 16-63 output channels (wgmma's 64 rows partly idle), from reductions of 256 or more
+            (2, 32, 32, (3, 3), (1, 1), 1, "tf32", "contiguous", 10, 260),
+            (2, 64, 16, (3, 3), (1, 1), 1, "ieee", "strided_view", 9, 258),
+            (1, 8, 16, (7, 7), (1, 1), 3, "tf32", "channels_last", 12, 256),
+            (2, 48, 24, (3, 3), (2, 1), 1, "ieee", "contiguous", 15, 270)]):
         cases.append(Case(4700 + idx, N, C, K, 1, kernel, stride, padding, (1, 1), idx % 2 == 0, "float32", precision,
                           layout, H, W, None))
     return cases
