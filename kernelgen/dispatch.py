@@ -14,7 +14,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    1x1, at least 64 output channels per group and output rows of 256 or more (two whole
    128-column tiles); and on the same terms TF32 reductions under 128 whose channels per
    group are whole k-steps (8, 16, ...). Also float32 layers of 16-63 output channels per
-   group from whole k-steps of input channels and reductions of 256 or more, on such rows.
+   group from whole k-steps of input channels and reductions of 256 or more (128 strict),
+   on such rows.
 3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
 4. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
@@ -142,9 +143,10 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem) -> bool:
         # reductions of 256 or more, H100, 8 x 512 x 512 padding 1, ms (wgmma / igemm / F.conv2d),
         # TF32: 32->16 3x3 0.62 / 0.73 / 0.73, 32->32 0.61 / 0.89 / 0.80, 64->16 1.16 / 2.38 / 1.28,
         # 64->32 1.16 / 2.61 / 1.30, 8->16 7x7 (16 x 512 x 512) 1.10 / 1.94 / 4.48; strict: 32->32
-        # 2.02 on igemm against 1.27 (F.conv2d 1.40), 64->32 9.27 against 2.36 (2.62). Shorter ones
-        # keep igemm (16->32 3x3 TF32 0.43 / 0.39, 16->16 0.46 / 0.33), and so does 16-bit (32->32
-        # bf16 0.41 / 0.37, 64->32 0.77 / 0.69).
+        # 2.02 on igemm against 1.27 (F.conv2d 1.40), 64->32 9.27 against 2.36 (2.62), and from 128
+        # (16->32 0.81 against 0.55, 16->16 even). Shorter TF32 ones keep igemm (16->32 3x3 0.43 /
+        # 0.39, 16->16 0.46 / 0.33), and so does 16-bit (32->32 bf16 0.41 / 0.37, 64->32 0.77 /
+        # 0.69).
         return (spec.dtype == "float32" and cin % 8 == 0 and kh * kw > 1 and 16 <= spec.cout_per_group < 64
-                and cin * kh * kw >= 256 and problem.Q >= 256)
+                and cin * kh * kw >= (128 if strict else 256) and problem.Q >= 256)
     return True

@@ -89,12 +89,13 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     ((16, 8, 512, 512), (64, 8, 3, 3), (2, 1), 1, ("wgmma", "wgmma", "igemm")),
     ((16, 12, 512, 512), (64, 12, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
     ((32, 8, 224, 224), (64, 8, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
-    # float32 with 16-63 output channels from reductions of 256 or more on such rows; shorter
-    # ones (16 x 3 x 3), 224-wide rows, 1x1 and 16-bit stay on igemm
+    # float32 with 16-63 output channels from reductions of 256 or more (strict: 128) on such
+    # rows; shorter ones, 224-wide rows, 1x1 and 16-bit stay on igemm
     ((8, 32, 512, 512), (32, 32, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
     ((8, 64, 512, 512), (16, 64, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
     ((16, 8, 512, 512), (16, 8, 7, 7), 1, 3, ("wgmma", "wgmma", "igemm")),
-    ((8, 16, 512, 512), (32, 16, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
+    ((8, 16, 512, 512), (32, 16, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
+    ((8, 8, 512, 512), (32, 8, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
     ((8, 32, 224, 224), (32, 32, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
     ((8, 256, 512, 512), (32, 256, 1, 1), 1, 0, ("pointwise", "pointwise", "pointwise")),
 ])
