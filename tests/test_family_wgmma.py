@@ -222,22 +222,26 @@ def test_short_reductions_take_the_producer_warpgroup():
     ((8, 32, 512, 512), (128, 32, 3, 3), "tf32", 1, (1, 1)),
     ((8, 32, 512, 512), (128, 32, 3, 3), "ieee", 1, (1, 1)),
     ((8, 48, 512, 512), (96, 48, 3, 3), "ieee", 1, (1, 1)),
-    ((8, 16, 512, 512), (128, 16, 5, 5), "tf32", 2, (1, 1)),
-    # two-row tiles where one consumer warpgroup holds them (64 channels), or where the input
-    # rows take the producer's 16-byte loads (padding 0, width a multiple of 4)
+    # two-row tiles where one consumer warpgroup holds them (64 channels), where the input rows
+    # take the producer's 16-byte loads (padding 0, width a multiple of 4), or where a stage
+    # holds one k-step (8-16 channels)
     ((8, 32, 512, 512), (64, 32, 3, 3), "tf32", 1, (1, 2)),
     ((8, 32, 512, 512), (128, 32, 3, 3), "tf32", 0, (1, 2)),
     ((8, 56, 256, 512), (128, 56, 3, 3), "tf32", 0, (1, 2)),
+    ((8, 16, 512, 512), (128, 16, 5, 5), "tf32", 2, (1, 2)),
+    ((8, 8, 512, 512), (128, 8, 7, 7), "tf32", 3, (1, 2)),
+    ((8, 16, 512, 512), (128, 16, 5, 3), "tf32", (2, 1), (1, 2)),
     ((8, 16, 512, 512), (64, 16, 5, 5), "tf32", 2, (1, 2)),
-    # under 256 (24->128 3x3: 216) no producer, as measured
-    ((16, 24, 256, 256), (128, 24, 3, 3), "tf32", 1, (0, 2)),
+    # TF32 from 216 (24->128 3x3), strict from 256: below, no producer, as measured
+    ((16, 24, 256, 256), (128, 24, 3, 3), "tf32", 1, (1, 1)),
     ((16, 24, 256, 256), (128, 24, 3, 3), "ieee", 1, (0, 2)),
+    ((8, 64, 512, 512), (128, 64, 3, 1), "tf32", (1, 0), (0, 1)),
 ])
 def test_short_float32_reductions_over_several_stages_take_a_producer(x, w, math, padding, expect):
     spec = _choose(x, w, math=math, padding=padding)
     t = dict(spec.tiles)
     assert spec.family == "wgmma" and (t["ws"], t["tile_p"]) == expect
-    assert FAM.layout(spec)["SPT"] > 1 or w[1] * w[2] * w[3] < 256
+    assert FAM.layout(spec)["SPT"] > 1 or t["ws"] == 0
 
 
 def test_short_16_bit_reductions_keep_their_tiles():

@@ -404,7 +404,10 @@ def make_short_reduction_cases() -> list[Case]:
             (2, 64, 16, (3, 3), (1, 1), 1, "ieee", "strided_view", 9, 258),
             (1, 8, 16, (7, 7), (1, 1), 3, "tf32", "channels_last", 12, 256),
             (2, 48, 24, (3, 3), (2, 1), 1, "ieee", "contiguous", 15, 270),
-            (2, 16, 32, (3, 3), (1, 1), 1, "ieee", "contiguous", 11, 262)]):
+            (2, 16, 32, (3, 3), (1, 1), 1, "ieee", "contiguous", 11, 262),
+            # TF32 from 216: 24 channels 3x3 (one-row tiles), 16 channels 5x3 (two-row: one k-step a stage)
+            (2, 24, 128, (3, 3), (1, 1), 1, "tf32", "contiguous", 10, 258),
+            (2, 16, 128, (5, 3), (1, 1), (2, 1), "tf32", "strided_view", 9, 266)]):
         cases.append(Case(4700 + idx, N, C, K, 1, kernel, stride, padding, (1, 1), idx % 2 == 0, "float32", precision,
                           layout, H, W, None))
     return cases

@@ -68,10 +68,11 @@ REG_FILE = 65536  # 32-bit registers per SM
 # case 56 (2240-long) with every operand positive: 2.5e-5 relative error in one accumulator,
 # 4.3e-7 summed a stage at a time. 256 is 96 truncations, a few 1e-6 at most.
 FLUSH_K = 256
-# float32 reductions from this long up to 512 that do not fit one stage try a producer warpgroup
-# first (default_tiles): 3xTF32 lost with one at 216 (24->128 3x3, 16 x 256 x 256: 1.04 ms
-# against 0.88 without), and won from 288 up (H100).
-SHORT_WS_K = 256
+# float32 reductions from this long (TF32, strict) up to 512 that do not fit one stage try a
+# producer warpgroup first (default_tiles). H100: 3xTF32 lost with one at 216 (24->128 3x3, 16 x
+# 256 x 256: 1.04 ms against 0.88 without) and won from 288 up; TF32 won from 216 (0.64 against
+# 0.70) and 240 (16->128 5x3: 0.99 against 1.30).
+SHORT_WS_K = {"tf32": 216, "ieee": 256}
 ARCHS = ("sm_90a",)
 
 
@@ -278,10 +279,14 @@ class WgmmaFamily(Family):
           stage in the ring (RSTAGE: each consumer warpgroup in the slot of one of the
           tile's last stages): 56 TF32 1.94-1.95 against 1.96-1.98 stored from the
           fragments, bf16 1.04-1.05 against 1.09-1.11.
-        - float32 reductions of SHORT_WS_K (256) to 511 that do not fit one stage (32-56
-          channels 3x3, 8 channels 7x7, 16 channels 5x5) take the producer too, over several
-          stages a tile: two-row tiles first, but one-row ones for 128 output channels whose
-          input rows take 4-byte copies (a padding or width that is not a multiple of 4).
+        - float32 reductions of SHORT_WS_K (TF32 216, strict 256) to 511 that do not fit one
+          stage (24-56 channels 3x3, 8 channels 7x7, 16 channels 5x5 or 5x3) take the producer
+          too, over several stages a tile: two-row tiles first, but one-row ones for 128 output
+          channels whose stages hold two k-steps or more and whose input rows take 4-byte
+          copies (a padding or width that is not a multiple of 4). With one k-step a stage
+          (8-16 channels) two-row tiles won there too: 16->128 5x5 TF32 1.14 against 1.44,
+          8->128 7x7 0.99 against 1.12-1.17, 16->128 5x3 (TF32 from 216) 0.99 against 1.28 and
+          1.30 without the producer (F.conv2d 1.05).
           H100, same process (ms, kernelgen with / without the producer, F.conv2d), padding 1:
           TF32 32->128 3x3 on 8 x 512 x 512 1.15 / 1.38 / 1.22 (two-row tiles 1.30), 32->64
           0.63 / 1.12 / 0.99, 48->128 1.67 / 1.86 / 1.66, 16->128 5x5 1.42 / 1.48-1.55 / 1.33,
@@ -352,13 +357,14 @@ class WgmmaFamily(Family):
                 # then 64-column tiles, stored from the fragments last.
                 order = [(1, 1, reductions[0], 1, tqs, nb, 1) for tqs in (tq, 64) for nb in (6, 5, 4, 3)] + order
                 order += [(so, 1, reductions[0], 1, 64, nb, 0) for so in (1, 0) for nb in (6, 5, 4, 3)]
-            if spec.dtype == "float32" and k_total >= SHORT_WS_K:
+            if spec.dtype == "float32" and k_total >= SHORT_WS_K[spec.math]:
                 # float32 that does not fit one stage: a producer warpgroup first, as for long
-                # reductions; one-row tiles first where two consumer warpgroups share a tile and
-                # the input rows do not start and end on 16 bytes (the producer's 4-byte copies).
+                # reductions; one-row tiles first only where two consumer warpgroups share a tile,
+                # a stage holds two k-steps or more, and the input rows do not start and end on 16
+                # bytes (the producer's 4-byte copies, two stages in flight).
                 groups = spec.padding[1] % cpv == 0 and problem.W % cpv == 0
-                rows = pixels if bm == 64 or groups else pixels[::-1]
-                order += [(so, 1, r, tp, tqs, nb, 0) for so in (1, 0) for r in reductions for tp, tqs in rows
+                order += [(so, 1, r, tp, tqs, nb, 0) for so in (1, 0) for r in reductions
+                          for tp, tqs in (pixels if bm == 64 or groups or r[0] <= kstep else pixels[::-1])
                           for nb in r[2]]
             order += [(so, 0, *shape, 0) for so in (1, 0) for shape in shapes]
         else:
