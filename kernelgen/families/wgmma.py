@@ -289,8 +289,8 @@ class WgmmaFamily(Family):
           1.30 without the producer (F.conv2d 1.05).
           H100, same process (ms, kernelgen with / without the producer, F.conv2d), padding 1:
           TF32 32->128 3x3 on 8 x 512 x 512 1.15 / 1.38 / 1.22 (two-row tiles 1.30), 32->64
-          0.63 / 1.12 / 0.99, 48->128 1.67 / 1.86 / 1.66, 16->128 5x5 1.42 / 1.48-1.55 / 1.33,
-          32->256 on 256 x 256 0.59 / 0.69 / 0.85, 32->128 on 32 x 224 x 224 1.06 / 1.29 /
+          0.63 / 1.12 / 0.99, 48->128 1.67 / 1.86 / 1.66, 16->128 5x5 1.15 (one-row tiles 1.42)
+          / 1.48-1.55 / 1.33-1.36, 32->256 on 256 x 256 0.59 / 0.69 / 0.85, 32->128 on 32 x 224 x 224 1.06 / 1.29 /
           0.95; padding 0 (16-byte input groups), two-row / one-row tiles: 32->128 1.14 / 1.38,
           48->128 1.56 / 1.94, 56->128 on 256 x 512 1.10 / 1.35, 32->128 on 224 x 224 1.01 /
           1.26, 32->256 0.62 / 0.73 (F.conv2d 1.22, 1.64, 1.08, 0.96, 0.94); 3xTF32 25-40%
@@ -362,9 +362,9 @@ class WgmmaFamily(Family):
                 # reductions; one-row tiles first only where two consumer warpgroups share a tile,
                 # a stage holds two k-steps or more, and the input rows do not start and end on 16
                 # bytes (the producer's 4-byte copies, two stages in flight).
-                groups = spec.padding[1] % cpv == 0 and problem.W % cpv == 0
+                xgroup = spec.padding[1] % cpv == 0 and problem.W % cpv == 0  # the launch's pr.xgroup
                 order += [(so, 1, r, tp, tqs, nb, 0) for so in (1, 0) for r in reductions
-                          for tp, tqs in (pixels if bm == 64 or groups or r[0] <= kstep else pixels[::-1])
+                          for tp, tqs in (pixels if bm == 64 or xgroup or r[0] <= kstep else pixels[::-1])
                           for nb in r[2]]
             order += [(so, 0, *shape, 0) for so in (1, 0) for shape in shapes]
         else:
