@@ -204,6 +204,45 @@ def test_rows_stage_in_the_consumed_input_buffer():
         assert lr["SMEM_BYTES"] == 4 * (lr["WWORDS"] + lr["NXB"] * lr["XWORDS"] + lr["EPI_WORDS"])
 
 
+def test_few_channel_layers_pack_their_taps_into_the_reduction():
+    """pack_k: reduction words over (channel word, tap) pairs, padded to whole k-steps once, where
+    a tap has fewer channel words than a k-step; only the real planes (and one zero plane the
+    padding words read) are staged, and the offset table sits after the rest, 8-byte aligned."""
+    stem = _spec("igemm", 3, 64, 7, stride=2, padding=3, nhw=(32, 224, 224))
+    t = dict(stem.tiles)
+    assert t["pack_k"] == 1 and t["full_kh"] == 1 and t["block_k"] == 8
+    lay = gemm.igemm.layout(stem)
+    assert (lay["PACK"], lay["CW"], lay["KF"], lay["KSW"], lay["KP"]) == (True, 3, 147, 152, 4)  # 19 k-steps, not 49
+    assert lay["AKS"] % 8 == 4 and lay["XWORDS"] == 4 * lay["CS"]
+    assert lay["KTAB"] % 2 == 0 and lay["SMEM_BYTES"] == 4 * (lay["KTAB"] + lay["KSW"])
+    unpacked = gemm.igemm.layout(stem, dict(t, pack_k=0, full_kh=0))
+    assert unpacked["KSW"] * unpacked["KSTAGES"] == 49 * 8
+    # bf16 words pair channels: 3 channels are 2 words (the second half empty), 98 of them.
+    bf = gemm.igemm.layout(_spec("igemm", 3, 64, 7, stride=2, padding=3, dtype="bfloat16", nhw=(32, 224, 224)))
+    assert (bf["PACK"], bf["CW"], bf["KF"], bf["KSW"], bf["KP"]) == (True, 2, 98, 104, 3)
+    # Whole k-steps without padding need no zero plane (8 channels x 3x3 = 72 words, forced).
+    p8 = _spec("igemm", 8, 64, 3, padding=1, dtype="bfloat16", nhw=(16, 512, 512))
+    assert dict(p8.tiles)["pack_k"] == 1  # 4 bf16 words a tap: 36 words, 5 k-steps, not 9
+    assert gemm.igemm.layout(p8, dict(p8.tiles))["KP"] == 5
+    f8 = _spec("igemm", 8, 64, 3, padding=1, nhw=(16, 512, 512))
+    assert dict(f8.tiles)["pack_k"] == 0  # float32: 8 words a tap already fill a k-step
+    lay8 = gemm.igemm.layout(f8, dict(f8.tiles, pack_k=1, full_kh=1))
+    assert (lay8["KSW"], lay8["KP"]) == (72, 8)
+    # 8 channel words or more keep whole k-steps a tap (TF32 12->64 3x3 lost packed, H100).
+    assert dict(_spec("igemm", 12, 64, 3, padding=1, nhw=(16, 512, 512)).tiles)["pack_k"] == 0
+    assert dict(_spec("igemm", 12, 64, 3, padding=1, dtype="bfloat16", nhw=(16, 512, 512)).tiles)["pack_k"] == 1
+    assert dict(_spec("igemm", 24, 64, 3, padding=1, dtype="bfloat16", nhw=(16, 512, 512)).tiles)["pack_k"] == 0
+    # Packing needs one stage: all channels and all kernel rows; pointwise has no taps.
+    with pytest.raises(Unsupported, match="pack_k"):
+        gemm.igemm.check_tiles(stem, dict(t, full_kh=0))
+    with pytest.raises(Unsupported, match="pack_k"):
+        gemm.igemm.check_tiles(_spec("igemm", 32, 64, 3, nhw=(8, 64, 64)),
+                               dict(t, block_k=16, full_kh=1))
+    p87 = _spec("pointwise", 64, 128, 1, nhw=(16, 1024, 1024))
+    with pytest.raises(ConvArgumentError, match="pack_k"):
+        p87.replace(tiles=dict(p87.tiles, pack_k=1))
+
+
 # -- compile (needs nvcc) ----------------------------------------------------------------------
 
 NVCC = shutil.which("nvcc")
@@ -237,6 +276,27 @@ def test_async_input_compiles(family, k, math, depth, tmp_path):
     spec = _spec(family, 16 if k == 3 else 64, 128, k, math=math, bias=True)
     spec = spec.replace(tiles=dict(spec.tiles, async_x=depth, stage_out=0, min_blocks=1))
     _compile_and_check_sass(spec, tmp_path, ("LDGSTS", "HMMA"))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("dtype,math,k,stride,tiles", [
+    ("float32", "tf32", 7, 2, {}), ("bfloat16", "ieee", 7, 2, {}), ("float32", "ieee", 7, 2, {}),
+    ("float16", "ieee", 3, 2, {}), ("float32", "tf32", 3, 1, {"async_x": 1, "block_m": 128}),
+    ("bfloat16", "ieee", 7, 2, {"min_blocks": 2, "tile_p": 4, "tile_q": 32})])
+def test_packed_reductions_compile_without_spills(dtype, math, k, stride, tiles, tmp_path):
+    """Stems with their taps packed into the reduction: table-driven MMAs, no spills (the tall
+    halo's element indices are recomputed per tile, not kept in registers)."""
+    spec = _spec("igemm", 3, 128 if tiles.get("block_m") == 128 else 64, k, stride=stride, padding=k // 2,
+                 dtype=dtype, math=math, nhw=(32, 224, 224))
+    spec = spec.replace(tiles=dict(spec.tiles, **tiles))
+    assert dict(spec.tiles)["pack_k"] == 1
+    src = tmp_path / "k.cu"
+    src.write_text(_render(spec))
+    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c", str(src),
+           "-o", str(tmp_path / "k.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 2, r.stderr  # both kernels
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -413,6 +413,37 @@ def make_short_reduction_cases() -> list[Case]:
     return cases
 
 
+def make_packed_cases() -> list[Case]:
+    """igemm with (channel word, tap) packed reductions (`pack_k`): stems and other layers of
+    fewer channel words than a k-step, as the dispatcher serves them and forced: 1-6 channels
+    (odd counts leave a bf16 word half empty), 7x7 stride 2, 11x11 stride 4, dilation, groups of
+    3 channels, 1x7 and 5x1, cp.async input, staged output, bias, strided views, every dtype."""
+    cases = []
+    pk = (("pack_k", 1),)
+    for idx, (N, C, K, g, kernel, stride, padding, dil, dtype, precision, layout, H, W, fam, tiles) in enumerate([
+            (2, 3, 64, 1, (7, 7), (2, 2), 3, (1, 1), "float32", "tf32", "contiguous", 30, 46, None, ()),
+            (2, 3, 64, 1, (7, 7), (2, 2), 3, (1, 1), "bfloat16", None, "contiguous", 29, 37, None, ()),
+            (1, 3, 64, 1, (7, 7), (2, 2), 3, (1, 1), "float32", "ieee", "strided_view", 26, 33, "igemm", pk),
+            (2, 3, 32, 1, (3, 3), (2, 2), 1, (1, 1), "float16", None, "strided_view", 33, 35, None, ()),
+            (2, 3, 32, 1, (3, 3), (2, 2), 1, (1, 1), "float32", "ieee", "contiguous", 31, 40, None, ()),
+            (2, 3, 64, 1, (3, 3), (1, 1), 1, (1, 1), "bfloat16", None, "contiguous", 20, 70, None, ()),
+            (2, 1, 24, 1, (5, 5), (1, 1), 2, (1, 1), "float32", "tf32", "contiguous", 18, 66, "igemm", pk),
+            (2, 2, 48, 1, (3, 3), (1, 1), (2, 1), (2, 1), "float32", "tf32", "contiguous", 17, 50, "igemm", pk),
+            (2, 5, 40, 1, (1, 7), (1, 1), (0, 3), (1, 1), "bfloat16", None, "contiguous", 12, 75, "igemm", pk),
+            (2, 6, 64, 2, (3, 3), (1, 2), 1, (1, 1), "float32", "tf32", "contiguous", 19, 44, "igemm", pk),
+            (0, 3, 64, 1, (11, 11), (4, 4), 2, (1, 1), "float32", "tf32", "contiguous", 67, 67, "igemm", pk),
+            (2, 4, 64, 1, (5, 1), (1, 1), (2, 0), (1, 1), "float32", "ieee", "contiguous", 23, 41, "igemm", pk),
+            (2, 3, 128, 1, (3, 3), (1, 1), 1, (1, 1), "float32", "tf32", "contiguous", 16, 140, "igemm",
+             pk + (("async_x", 1), ("block_m", 128))),
+            (2, 3, 64, 1, (7, 7), (2, 2), 3, (1, 1), "float32", "tf32", "contiguous", 40, 40, "igemm",
+             pk + (("stage_out", 1),)),
+            (2, 3, 64, 1, (7, 7), (2, 2), 3, (1, 1), "bfloat16", None, "contiguous", 35, 41, "igemm",
+             pk + (("min_blocks", 2), ("tile_p", 4), ("tile_q", 32)))]):
+        cases.append(Case(4800 + idx, N, C, K, g, kernel, stride, padding, dil, idx % 2 == 1, dtype, precision,
+                          layout, H, W, fam, tiles))
+    return cases
+
+
 def make_wide_tile_cases() -> list[Case]:
     """`wgmma` with 256-column tiles (the long reductions' first choice): both epilogues, float32
     and bf16, a row that spills two columns into a second tile."""
@@ -429,7 +460,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_short_reduction_cases() if HOPPER else []) +
-         make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases())
+         make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases())
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected

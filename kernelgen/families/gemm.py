@@ -17,6 +17,13 @@ m16n8k16 with float32 accumulation for float16 / bfloat16.
   full_kh=1, one kernel row otherwise) and the matching weight slice in shared
   memory, and the MMA fragments read the im2col matrix straight out of the halo.
 
+Layers of few channels (fewer channel words than a k-step's 8: float32 under 8 channels,
+16-bit under 16) pack their reduction (tile `pack_k`, one stage): its words run over
+(channel word, kernel tap) pairs, padded to whole k-steps only once, and each k-step's B
+words come from a small table of halo offsets. A 3-channel 7x7 stem takes 19 TF32 k-steps
+instead of 49 (H100, 3->64 7x7 stride 2 on 32 x 224 x 224: TF32 0.15 ms against 0.46
+unpacked and F.conv2d's 0.35; bf16 0.12 against 0.71 and 0.35).
+
 A stage is staged through registers (global loads for stage j+1 are in flight while
 stage j's MMAs run), double-buffered in shared memory with one barrier per stage.
 When one stage covers the whole reduction (CIN_G <= BLOCK_K, and all kernel rows),
@@ -95,6 +102,16 @@ class GemmFamily(Family):
         kp = ck // epw  # words per (kernel row, kernel column) per stage
         kr = kh if full else 1  # kernel rows per stage
         ksw = kr * kw * kp  # reduction words per stage
+        # pack_k (igemm, one stage): the reduction runs over (channel word, kernel tap) pairs, KF of
+        # them padded to whole k-steps, instead of a k-step of channel words per tap; a stage then
+        # stages only the CW real channel words' planes (and one zero plane that the padding words
+        # read). A 3-channel 7x7 stem: 19 TF32 k-steps where whole k-steps per tap take 49.
+        pack = bool(t.get("pack_k", 0)) and not self.flat
+        cw = _ceil(spec.cin_per_group, epw)
+        kf = cw * kh * kw
+        if pack:
+            ksw = _ceil(kf, 8) * 8
+            kp = cw + (1 if ksw > kf else 0)
         # A is [BLOCK_M][AKS] words: AKS % 8 == 4 makes fragment loads conflict-free.
         aks = _pad_to(ksw, 8, 4)
         if self.flat:
@@ -133,6 +150,9 @@ class GemmFamily(Family):
                     break
         epi_words = tile_words // epi_parts if stage_out else 0
         smem_words = (wwords + nxb * xwords if wres else 2 * (wwords + xwords)) + (0 if epi_in_x else epi_words)
+        # pack_k: a table of each k-step's two B offsets per lane quarter (int2 x 4), after the rest
+        ktab = smem_words + (smem_words & 1)
+        smem_words = ktab + ksw if pack else smem_words
         prefetch = 0 if xasync else _ceil(kp * xp * xq, nth) * epw
         prefetch += 0 if wres else _ceil(bm * ksw, nth) * epw
         if self.flat and not xasync:  # the 16-byte path loads 4 pixels per unit
@@ -149,6 +169,7 @@ class GemmFamily(Family):
             "XASYNC": xasync, "XDEPTH": xdepth, "NXB": nxb, "STAGE_OUT": stage_out, "SRS": srs, "EPI_WORDS": epi_words,
             "EPI_IN_X": epi_in_x, "EPI_PARTS": epi_parts,
             "SMEM_BYTES": smem, "MB": _ceil(spec.cout_per_group, bm), "MINB": t["min_blocks"],
+            "PACK": pack, "CW": cw, "KF": kf, "KTAB": ktab,
             "PREFETCH_WORDS": prefetch, "ACC_PER_THREAD": acc, "FLUSH": flush,
         }
 
@@ -183,6 +204,12 @@ class GemmFamily(Family):
             raise Unsupported(f"the pixel tile ({lay['BN']}) is not a multiple of 8*warps_n={8 * t['warps_n']}")
         if t.get("async_x", 0) and not lay["XASYNC"]:
             raise Unsupported("async_x needs float32 and resident weights (one stage per tile)")
+        if t.get("pack_k", 0):
+            if self.flat:
+                raise Unsupported("pack_k packs kernel taps into the reduction: igemm only, not pointwise")
+            if not (lay["WRES"] and lay["FULL"]):
+                raise Unsupported(f"pack_k needs the whole reduction in one stage (block_k >= {spec.cin_per_group} "
+                                  f"channels and full_kh=1)")
         if lay["NTH"] > MAX_THREADS:
             raise Unsupported(f"warps_m*warps_n={lay['NTH'] // 32} warps exceed {MAX_THREADS // 32}")
         if lay["ACC_PER_THREAD"] > MAX_ACC_PER_THREAD:
@@ -228,6 +255,18 @@ class GemmFamily(Family):
           and one stores while the other computes). igemm shapes the patch to the output
           width: 2x64 / 1x128 for wide rows (2x128 / 4x64 when long), narrower otherwise.
         - Kernel rows: all staged at once (full_kh=1) up to 3 rows, one per stage above.
+        - pack_k=1 first (all channels and kernel rows in one stage) where a tap has fewer
+          channel words than a k-step and packing (channel word, tap) pairs saves k-steps.
+          H100, same process (ms, packed / unpacked / F.conv2d), 32 x 224 x 224 unless said:
+          3->64 7x7 stride 2 TF32 0.152 / 0.458 / 0.345, bf16 0.121 / 0.709 / 0.345, strict
+          0.287 / 0.850 (direct 0.779) / 0.394; 3->32 3x3 stride 2 TF32 0.064 / 0.117 / 0.072,
+          bf16 0.067 / 0.110 / 0.074, strict 0.074 / 0.156 / 0.078; 3->64 3x3 TF32 0.232 /
+          0.268 / 0.356, bf16 0.202 / 0.349 / 0.421, strict 0.297 / 0.454 / 0.352; on 16 x 512
+          x 512: bf16 3->64 3x3 0.365 / 0.678 / 1.067, 8->64 0.459 / 0.676 / 1.306, 12->64
+          0.568 / 0.671 / 1.407; bf16 8->16 7x7 (8 x 512 x 512) 0.362 / 1.090 / 2.921. TF32
+          12->64 3x3 (12 channel words) lost packed, 0.949 / 0.919, hence the 8-word bound.
+          cp.async input (async_x) and staged float32 rows were slower packed (7x7 stem TF32
+          0.184 and 0.212).
         - min_blocks=2 when the register estimate (accumulators + prefetch + 56) allows two
           256-thread blocks per SM without spilling, else 1.
         The first candidate that passes check_tiles wins.
@@ -257,7 +296,13 @@ class GemmFamily(Family):
                 tiles.append({**wide, "block_n": 256, "async_x": 0})
             elif tf32:
                 tiles.append({**wide, "block_n": 128, "async_x": 2})
-        for ck in candidates_k:
+        # pack_k first where a tap has fewer channel words than a k-step's 8 (float32 under 8
+        # channels, 16-bit under 16) and packing saves k-steps; one stage holds it all.
+        cw = _ceil(cin_g, epw)
+        passes = [(ck, (1, 0) if kh <= 3 else (0, 1), 0) for ck in candidates_k]
+        if not self.flat and cw < 8 and _ceil(cw * kh * kw, 8) < kh * kw:
+            passes.insert(0, (full_k, (1,), 1))
+        for ck, fulls, pk in passes:
             # 16-bit: the staged epilogue first (H100: case 87 bf16 2.76 ms against 3.09 with
             # fragment stores; 63 bf16 igemm 6.3 against 9.4), in one block per SM.
             # float32: fragment stores (staged, 63 TF32 10.0-11.0 against 8.5, 87 strict 7.4
@@ -265,7 +310,7 @@ class GemmFamily(Family):
             # with cp.async input (async_x=1): 63 TF32 8.33-8.51 ms against 8.67-8.99 for the
             # register-staged kernels; cp.async lost elsewhere (87 TF32 4.81-5.05 vs 4.75, 87
             # strict 6.68 vs 6.28, 63 strict 15.0 vs 13.8); async_x=2 was even or slower.
-            resident = not self.flat and ck >= cin_g and kh <= 3
+            resident = not self.flat and ck >= cin_g and (kh <= 3 or pk == 1)
             variants: list[dict[str, int]] = []
             if epw == 2:
                 variants.append({"block_m": bm, "stage_out": 1, "async_x": 0, "min_blocks": 1})
@@ -274,7 +319,7 @@ class GemmFamily(Family):
             variants.append({"block_m": bm, "stage_out": 0, "async_x": 0})
             for v in variants:
                 b = v["block_m"]
-                base = {"block_k": ck, "warps_m": 2 if b >= 64 else 1, "warps_n": 4, **v}
+                base = {"block_k": ck, "warps_m": 2 if b >= 64 else 1, "warps_n": 4, "pack_k": pk, **v}
                 for bn in bn_list:
                     if self.flat:
                         tiles.append({**base, "block_n": bn})
@@ -284,7 +329,7 @@ class GemmFamily(Family):
                     shapes = [(tp * bn // 128, tq) for tp, tq in wide if tp * bn // 128 >= 1]
                     if bn == 64:
                         shapes = [(tp // 2, tq) for tp, tq in wide if tp >= 2] + [(1, 64)]
-                    for full in ((1, 0) if kh <= 3 else (0, 1)):
+                    for full in fulls:
                         for tp, tq in shapes:
                             tiles.append({**base, "tile_p": tp, "tile_q": tq, "full_kh": full})
         for cand in tiles:
@@ -329,7 +374,7 @@ igemm = GemmFamily(
     name="igemm", template="cuda/igemm.cu.j2",
     tiles={"block_m": (32, 64, 128), "tile_p": (1, 2, 4, 8, 16), "tile_q": (8, 16, 32, 64, 128),
            "block_k": (8, 16, 32, 64), "full_kh": (0, 1), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8),
-           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1, 2)},
+           "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1, 2), "pack_k": (0, 1)},
     **_COMMON,
 )
 
