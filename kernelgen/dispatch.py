@@ -12,7 +12,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    products a k-step make strict float32 compute-bound even at 1x1. Also float32 first
    layers: fewer than 8 input channels per group (padded to a k-step), a kernel other than
    1x1, at least 64 output channels per group and output rows of 256 or more (two whole
-   128-column tiles); and on the same terms TF32 reductions under 128 whose channels per
+   128-column tiles), except 1-3 channels into at most 64 (igemm's packed taps win there);
+   and on the same terms TF32 reductions under 128 whose channels per
    group are whole k-steps (8, 16, ...). Also float32 layers of 16-63 output channels per
    group from whole k-steps of input channels and reductions of 256 or more (128 strict),
    on such rows.
@@ -20,7 +21,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    tensor cores, memory-bound at these sizes, beats any direct loop.
 4. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
    reduction (CIN_G*KH*KW) is long enough to feed tensor cores. Below 4 channels too
-   for TF32 and 16-bit, and for strict float32 (3xTF32) with at most 9 kernel taps.
+   for TF32 and 16-bit, and for strict float32 (3xTF32) with at most 9 kernel taps or
+   with its taps packed into the reduction (pack_k: stems such as 3->64 7x7 stride 2).
 5. direct: everything else (tiny channel counts, float64, strided layouts the fast
    families do not take). It honours arbitrary strides, so it never copies.
 
@@ -111,8 +113,9 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem) -> bool:
         # 3->32 3x3 stride 2 on 32 x 224 x 224 TF32 0.11 / 0.22 / 0.08, strict 0.16 / 0.22;
         # 3->64 3x3 on 32 x 224 x 224 strict 0.47 / 0.80 / 0.36. Strict 3xTF32 lost on larger
         # kernels: 3->64 5x5 on 8 x 512 x 512 2.06 / 1.64, 7x7 stride 2 on 32 x 224 x 224
-        # 0.90 / 0.78.
-        return spec.cin_per_group >= 4 or not strict or kh * kw <= 9
+        # 0.90 / 0.78. With the taps packed into the reduction (pack_k) it wins there too: 7x7
+        # stride 2 strict 0.28 / 0.78 / 0.39.
+        return spec.cin_per_group >= 4 or not strict or kh * kw <= 9 or dict(spec.tiles).get("pack_k", 0) == 1
     if name == "wgmma":
         # Reductions of 128 and more. H100: case 56 (64x5x7) TF32 2.31 ms vs igemm 7.23, bf16 1.39
         # vs 5.67; case 63 (16x3x3) TF32 7.34 vs igemm 8.54, bf16 4.62 vs 6.33 (both staged);
@@ -135,9 +138,15 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem) -> bool:
         # on 8 x 512 x 512 0.823 / 1.023 / 1.559; 24->128 3x1 0.641 / 1.287 / 0.817. 224-wide rows
         # lose (0.393 / 0.294), 12 channels (padded to 16) are even (0.912 / 0.909), and bf16 8-
         # and 12-channel layers lose (0.725 / 0.666, 0.845 / 0.655).
+        # Since igemm packs taps into its reduction (pack_k), 1-3 channels into 64 outputs per group
+        # run faster there (igemm / wgmma, ms): TF32 3->64 3x3 on 16 x 512 x 512 0.49 / 0.52, 5x5 on
+        # 8 x 512 x 512 0.36 / 0.42; strict 3->64 3x3 0.67 / 0.75, 2->64 3x3 on 16 x 256 x 256 0.17 /
+        # 0.21, but not strict 5x5 (0.66 / 0.61), 4 channels (TF32 0.60 / 0.57) or 128 outputs (TF32
+        # 3->128 3x3 0.95 / 0.86).
         cin = spec.cin_per_group
+        packed_first = cin <= 3 and spec.cout_per_group <= 64 and (not strict or kh * kw <= 9)
         if (spec.dtype == "float32" and (cin < 8 or (not strict and cin % 8 == 0)) and kh * kw > 1
-                and spec.cout_per_group >= 64 and problem.Q >= 256):
+                and spec.cout_per_group >= 64 and problem.Q >= 256 and not packed_first):
             return True
         # float32 layers of 16-63 output channels per group (the MMA's 64 rows partly idle) from
         # reductions of 256 or more, H100, 8 x 512 x 512 padding 1, ms (wgmma / igemm / F.conv2d),

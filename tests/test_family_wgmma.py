@@ -70,16 +70,19 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
 
 
 @pytest.mark.parametrize("x,w,stride,padding,expect", [
-    # (TF32, strict, bf16): float32 first layers with rows of two 128-column tiles take wgmma
-    ((16, 3, 512, 512), (64, 3, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
-    ((8, 3, 512, 512), (64, 3, 5, 5), 1, 2, ("wgmma", "wgmma", "igemm")),
-    ((16, 2, 256, 256), (64, 2, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
+    # (TF32, strict, bf16): float32 first layers with rows of two 128-column tiles take wgmma,
+    # except 1-3 channels into 64 or fewer (igemm's packed taps; strict up to 9 taps)
+    ((16, 3, 512, 512), (64, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
+    ((8, 3, 512, 512), (64, 3, 5, 5), 1, 2, ("igemm", "wgmma", "igemm")),
+    ((16, 2, 256, 256), (64, 2, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
     ((16, 4, 512, 512), (64, 4, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
-    # narrower rows, fewer output channels, a column stride: igemm, strict 3xTF32 up to 9 taps
+    ((16, 3, 512, 512), (128, 3, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
+    # narrower rows, fewer output channels, a column stride: igemm (strict 3xTF32 too, its taps
+    # packed into the reduction; unpacked up to 9 taps)
     ((32, 3, 224, 224), (64, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
     ((16, 3, 256, 256), (16, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
     ((32, 3, 224, 224), (32, 3, 3, 3), 2, 1, ("igemm", "igemm", "igemm")),
-    ((32, 3, 224, 224), (64, 3, 7, 7), 2, 3, ("igemm", "direct", "igemm")),
+    ((32, 3, 224, 224), (64, 3, 7, 7), 2, 3, ("igemm", "igemm", "igemm")),
     # 1x1 stays pointwise's or direct's
     ((16, 3, 512, 512), (64, 3, 1, 1), 1, 0, ("igemm", "igemm", "igemm")),
     # TF32 reductions under 128 from a whole k-step of channels (8) take wgmma on such rows too,
@@ -106,8 +109,8 @@ def test_dispatcher_serves_first_layers_on_tensor_cores(x, w, stride, padding, e
     # Off Hopper no wgmma: igemm where it is worth it, else direct.
     off = tuple(_choose(x, w, dtype=dt, math=m, stride=stride, padding=padding, arch="sm_80").family
                 for dt, m in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")))
-    assert off == tuple("igemm" if f == "wgmma" and (m != "ieee" or w[2] * w[3] <= 9 or w[1] >= 4) else
-                        "direct" if f == "wgmma" else f for f, m in zip(expect, ("tf32", "ieee", "ieee")))
+    # (Off Hopper, strict float32 of 1-3 channels packs its taps on igemm too.)
+    assert off == tuple("igemm" if f == "wgmma" else f for f in expect)
 
 
 def test_refusals_say_why():
