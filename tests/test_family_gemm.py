@@ -278,6 +278,17 @@ def test_async_input_compiles(family, k, math, depth, tmp_path):
     _compile_and_check_sass(spec, tmp_path, ("LDGSTS", "HMMA"))
 
 
+def _ptxas_report(spec, tmp_path) -> str:
+    """nvcc the rendered spec for sm_90a with ptxas's resource report (-v); returns the report."""
+    src = tmp_path / "k.cu"
+    src.write_text(_render(spec))
+    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c", str(src),
+           "-o", str(tmp_path / "k.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stderr
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("dtype,math,k,stride,tiles", [
     ("float32", "tf32", 7, 2, {}), ("bfloat16", "ieee", 7, 2, {}), ("float32", "ieee", 7, 2, {}),
@@ -290,13 +301,8 @@ def test_packed_reductions_compile_without_spills(dtype, math, k, stride, tiles,
                  dtype=dtype, math=math, nhw=(32, 224, 224))
     spec = spec.replace(tiles=dict(spec.tiles, **tiles))
     assert dict(spec.tiles)["pack_k"] == 1
-    src = tmp_path / "k.cu"
-    src.write_text(_render(spec))
-    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c", str(src),
-           "-o", str(tmp_path / "k.o")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert r.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 2, r.stderr  # both kernels
+    report = _ptxas_report(spec, tmp_path)
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 2, report  # both kernels
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -307,10 +313,5 @@ def test_wide_pointwise_tiles_compile_without_spills(cin, dtype, rounds, tmp_pat
     spec = _spec("pointwise", cin, 128, 1, dtype=dtype, nhw=(16, 1024, 1024))
     lay = gemm.pointwise.layout(spec)
     assert lay["NTH"] == 512 and lay["EPI_PARTS"] == rounds and lay["EPI_IN_X"] == (dtype == "float32")
-    src = tmp_path / "k.cu"
-    src.write_text(_render(spec))
-    cmd = [NVCC, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c", str(src),
-           "-o", str(tmp_path / "k.o")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert r.stderr.count("0 bytes spill stores, 0 bytes spill loads") == 4, r.stderr  # the four kernels
+    report = _ptxas_report(spec, tmp_path)
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4, report  # the four kernels
