@@ -5,7 +5,9 @@
 #   bash benchmarks/ncu_cases.sh "63 tf32 kernelgen" "63 tf32 torch" ...
 #
 # Leaves the clocks alone (--clock-control none). Run benchmarks/gpu_all.sh's stages or a
-# warm first so that nothing compiles under the profiler.
+# warm first so that nothing compiles under the profiler. NCU_SOURCE=1 also profiles each
+# kernelgen launch's SASS source page (one more launch) and summarises it with
+# benchmarks/ncu_sass.py into $OUT/ncu/<case>_<precision>_<who>.sass.txt.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}/ncu
@@ -39,4 +41,11 @@ for r in rows[2:]:
                      and v.replace(',', '').replace('.', '', 1).isdigit()), reverse=True)[:6]
     print("  stalls: " + ", ".join(f"{k.split('stalled_')[1].split('_per')[0].split('.')[0]} {v:.2f}" for v, k in stalls))
 PY
+  if [[ ${NCU_SOURCE:-0} == 1 && $who != torch ]]; then
+    ncu --clock-control none "${filter[@]}" --section SourceCounters --section WarpStateStats --page source \
+        --print-source sass --csv python3 benchmarks/profile_case.py $case $prec $who $rest \
+        > "$out/$name.source.csv" 2>> "$out/$name.err"
+    python3 benchmarks/ncu_sass.py "$out/$name.source.csv" --top 40 > "$out/$name.sass.txt" 2>&1
+    sed -n '1,14p' "$out/$name.sass.txt"
+  fi
 done

@@ -3,8 +3,11 @@
     ncu --section SourceCounters --page source --print-source sass --csv ... > k.csv
     python benchmarks/ncu_sass.py k.csv [--top 60]
 
-Prints the executed warp instructions by opcode, then the hottest instructions in program
-order with their counts and sampled stalls: where a kernel's issue slots go.
+Prints the executed warp instructions by opcode; the stall samples by execution count (code
+run equally often: in a warp-specialised kernel a count is a role, e.g. a consumer warp's
+once-a-tile code against a producer warp's), with their main stall reasons; the basic blocks
+and the hottest instructions in program order with their counts and sampled stalls: where a
+kernel's issue slots and waits go.
 """
 
 from __future__ import annotations
@@ -65,6 +68,18 @@ def main(argv=None) -> int:
                 blocks.append((start, i))
                 start = i
         tot_s = sum(_num(r[smp]) for r in body) or 1.0
+        reasons = [(n, i) for n, i in col.items() if n.startswith("stall_") and "Not Issued" not in n]
+        by_count: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, collections.Counter()])
+        for r in body:
+            c = by_count[f"{_num(r[exe]):.4g}"]
+            c[0] += _num(r[exe])
+            c[1] += _num(r[smp])
+            for n, i in reasons:
+                c[2][n] += _num(r[i]) if i < len(r) else 0.0
+        print("stall samples by execution count (share, instructions executed, main reasons):")
+        for k, (n_exe, n_smp, why) in sorted(by_count.items(), key=lambda kv: -kv[1][1])[:8]:
+            top = ", ".join(f"{n[len('stall_'):]} {100 * v / (n_smp or 1):.0f}%" for n, v in why.most_common(3))
+            print(f"  executed {k:>10} times: {100 * n_smp / tot_s:5.1f}% of samples, {n_exe:.4g} instructions; {top}")
         print(f"{tot_s:.0f} stall samples; blocks by samples (share, samples, executed x length, first..last):")
         for a, b in sorted(blocks, key=lambda ab: -sum(_num(r[smp]) for r in body[ab[0]:ab[1]]))[:25]:
             bs = sum(_num(r[smp]) for r in body[a:b])
