@@ -133,7 +133,8 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype, math):
     # Shared memory: resident weights (or none), the ring of stage slots (16-byte rows) and the
     # staged epilogue's rows (16 channels per computing warp, of one output row, or of all TP with
     # overlap) and, with a producer warpgroup (ws), two mbarriers per slot.
-    slot = nspl * ((0 if lay["WRES"] else lay["WVEC"]) + lay["XVEC"])
+    # Strips (strip=1): a slot holds one input row, every chunk of it.
+    slot = lay["NCH"] * lay["XQ"] if lay["STRIP"] else nspl * ((0 if lay["WRES"] else lay["WVEC"]) + lay["XVEC"])
     esize = 4 if dtype == "float32" else 2
     rows = lay["TP"] if lay["OVERLAP"] else 1
     consumers = lay["NTH"] - (128 if lay["WS"] else 0)
@@ -150,7 +151,9 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype, math):
     cin_g, cout = spec.cin_per_group, spec.out_channels
     kh, kw = spec.kernel_size
     assert lay["WORKSPACE_BYTES"] >= cout * cin_g * kh * kw * esize
-    assert lay["WORKSPACE_BYTES"] == 16 * spec.groups * lay["MB"] * lay["SPT"] * nspl * lay["WVEC"]
+    # (strips: and a progress counter for each of up to MAXPROG blocks)
+    assert lay["WORKSPACE_BYTES"] == (16 * spec.groups * lay["MB"] * lay["SPT"] * nspl * lay["WVEC"] +
+                                      (4 * lay["MAXPROG"] if lay["STRIP"] else 0))
     assert lay["CK"] % (2 * lay["CPV"]) == 0 and lay["CK"] * esize == 16 * lay["NCH"]
 
 
@@ -186,18 +189,20 @@ def test_overlapped_stores_are_forced_only():
 
 def test_short_reductions_take_the_producer_warpgroup():
     # 63 (one stage per tile) runs warp-specialised by default: a producer warpgroup stages the
-    # input into a ring of 1-row tiles, as deep as fits, and every thread keeps its even share
-    # of registers.
-    for dtype, nbuf in (("float32", 3), ("bfloat16", 6)):
+    # input into a ring of 1-row tiles (TF32: of input rows, strip=1), as deep as fits, and every
+    # thread keeps its even share of registers.
+    for dtype, nbuf in (("float32", 10), ("bfloat16", 6)):
         spec = _choose(**CASES["63"], dtype=dtype, family="wgmma")
         t = dict(spec.tiles)
         assert (t["ws"], t["tile_p"], t["nbuf"], t["overlap"]) == (1, 1, nbuf, 0)
+        assert t["strip"] == (dtype == "float32")
         lay = FAM.layout(spec)
         assert lay["WS"] and lay["NTH"] == 384 and lay["NTP"] == 128 and lay["SMEM_BYTES"] <= SMEM_LIMIT
         assert lay["WRES"] and (lay["PREGS"], lay["CREGS"]) == (0, 0)
-        # 16-bit producers keep two tiles' loads in flight (two sets of groups); float32's
-        # four groups a tile keep one set.
-        assert lay["XSETS"] == (1 if dtype == "float32" else 2)
+        # Producers keep two tiles' loads in flight (two sets of groups): 16-bit halos, and a
+        # strip's input rows (two groups a row); float32 halos (four groups) keep one set.
+        assert lay["XSETS"] == 2 and FAM.layout(spec, {**t, "strip": 0, "nbuf": 3})["XSETS"] == (
+            1 if dtype == "float32" else 2)
         # 16-bit also builds the whole-line epilogue, whose staging rows hold a line's shift
         # (64 elements); float32's resident weights (72 KB) leave no room for its 32 more.
         assert lay["LINES"] == (dtype != "float32")
@@ -205,6 +210,7 @@ def test_short_reductions_take_the_producer_warpgroup():
         if dtype == "float32":
             # TF32 weights forced into the consumers' registers (a_regs=1, 18 k-steps of 4) free
             # that shared memory for the whole-line rows: none of it resident, 4 slots fit.
+            t = {**t, "strip": 0}
             on = FAM.layout(spec, {**t, "a_regs": 1, "nbuf": 4})
             assert on["AREG"] and on["LINES"] and on["ESRS"] == 168
             assert on["SMEM_BYTES"] == 16 * 4 * on["XVEC"] + 8 * 16 * 168 * 4 + 16 * 4 <= SMEM_LIMIT
@@ -217,6 +223,40 @@ def test_short_reductions_take_the_producer_warpgroup():
                 FAM.check_tiles(spec, {**t, "a_regs": 1, "nbuf": 6})
     with pytest.raises(Unsupported, match="exclusive"):
         FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1})
+
+
+def test_strips_hold_input_rows_and_serve_short_tf32_reductions():
+    spec = _choose(**CASES["63"], family="wgmma")
+    t = dict(spec.tiles)
+    lay = FAM.layout(spec)
+    # A slot is one input row (4 chunks x 130 columns): ten of them beside the resident weights
+    # and the staging rows, where halos (three rows each) fitted three slots.
+    assert lay["STRIP"] and not lay["LINES"] and lay["XR"] == 3 and lay["NBUF"] == 10
+    assert lay["SMEM_BYTES"] == 16 * (lay["WVEC"] + 10 * 4 * 130) + lay["EPI_BYTES"] + 16 * 10 <= SMEM_LIMIT
+    with pytest.raises(Unsupported, match="shared memory"):
+        FAM.check_tiles(spec, {**t, "nbuf": 11})
+    five = _choose(x=(2, 8, 64, 256), w=(128, 8, 5, 5), family="wgmma")
+    with pytest.raises(Unsupported, match="a ring slot for each"):
+        FAM.check_tiles(five, {**dict(five.tiles), "strip": 1, "ws": 1, "tile_p": 1, "block_k": 8, "full_kh": 1,
+                               "async_x": 1, "nbuf": 4})
+    # Strips are TF32's, under a producer, one-row tiles of one stage.
+    for bad in ({"ws": 0}, {"tile_p": 2}, {"async_x": 0}):
+        with pytest.raises(Unsupported, match="strip=1 needs"):
+            FAM.check_tiles(spec, {**t, **bad})
+    for kw in (dict(dtype="bfloat16"), dict(math="ieee")):
+        other = _choose(**CASES["63"], family="wgmma", **kw)
+        assert dict(other.tiles)["strip"] == 0
+        with pytest.raises(Unsupported, match="strip=1 needs"):
+            FAM.check_tiles(other, {**dict(other.tiles), "strip": 1, "ws": 1, "tile_p": 1, "nbuf": 3})
+    # The dispatcher: rows on 32-byte sectors or 8 strips wide, kernels taller than the row
+    # stride, reductions under SHORT_WS_K; the rest keep row order.
+    strip = lambda x, w, **kw: dict(_choose(x, w, **kw).tiles).get("strip")  # noqa: E731
+    assert strip((8, 16, 512, 512), (64, 16, 3, 3), padding=1) == 1
+    assert strip((8, 32, 512, 512), (128, 32, 3, 1)) == 1
+    assert strip((8, 16, 512, 511), (64, 16, 3, 3), padding=1) == 0  # 511 wide: 4 strips, off sectors
+    assert strip((8, 16, 512, 512), (64, 16, 1, 3), padding=(0, 1)) == 0  # no row to share
+    assert strip((8, 16, 512, 512), (64, 16, 3, 3), stride=(3, 1), padding=1) == 0  # row stride 3: none either
+    assert strip((8, 24, 256, 256), (128, 24, 3, 3), padding=1) == 0  # 216: several stages
 
 
 @pytest.mark.parametrize("x, w, math, padding, expect", [
@@ -347,7 +387,8 @@ WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "floa
 @pytest.mark.parametrize("case,dtype,tiles", [("56", "float32", None), ("56", "bfloat16", None),
                                               ("56", "float16", {"ws": 0}), ("63", "float16", None),
                                               ("63", "float32", None), ("63", "float32", {"overlap": 1}),
-                                              ("63", "float32", {"a_regs": 1, "nbuf": 4}),
+                                              ("63", "float32", {"a_regs": 1, "nbuf": 4, "strip": 0}),
+                                              ("63", "float32", {"strip": 0, "nbuf": 3}),
                                               ("87", "float32", None), ("56", "ieee", None), ("63", "ieee", None),
                                               ("87", "ieee", None), ("56", "ieee", {"ws": 0})])
 def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):

@@ -444,6 +444,34 @@ def make_packed_cases() -> list[Case]:
     return cases
 
 
+def make_strip_cases(n: int, seed: int = 3579) -> list[Case]:
+    """`wgmma` TF32 calls forced onto strips (tile strip=1: blocks walk down 128-column strips and
+    the ring holds input rows): a block's run of tiles crosses strips and images (few tiles a
+    block) or stays in one strip for long (many), rows that skip (stride 2, 3), dilated and tall
+    kernels, rings of just a halo's rows, partial channel chunks, groups, and inputs the producer
+    loads in 16-byte groups or by cp.async (strided views, widths off 4)."""
+    rng = random.Random(seed)
+    cases = []
+    for idx in range(n):
+        groups = rng.choice([1, 1, 2])
+        kernel = rng.choice([(3, 3), (3, 3), (5, 5), (3, 1), (1, 3), (2, 4)])
+        C = groups * rng.choice([4, 8] if kernel == (5, 5) else [4, 8, 12, 16, 16])
+        K = groups * rng.choice([64, 80, 128])
+        stride = rng.choice([(1, 1), (1, 1), (2, 1), (3, 1)])
+        dilation = rng.choice([(1, 1), (1, 1), (2, 1)])
+        padding = rng.choice([0, 0, 1, (2, 4), (1, 0)])
+        eh = dilation[0] * (kernel[0] - 1) + 1
+        nbuf = rng.choice([max(eh, 3), max(eh + 1, 3), max(eh, 6)])
+        layout = rng.choice(["contiguous", "contiguous", "strided_view"])
+        N = rng.choice([0, 1, 2, 3])
+        H = max(rng.choice([rng.randint(2, 12), rng.randint(40, 300)]), eh)
+        W = max(rng.choice([rng.randint(3, 300), 128, 132, 256, 260, 384]), kernel[1])
+        cases.append(Case(4900 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
+                          "float32", "tf32", layout, H, W, "wgmma",
+                          (("strip", 1), ("ws", 1), ("nbuf", nbuf), ("stage_out", rng.choice([0, 1, 1])))))
+    return cases
+
+
 def make_wide_tile_cases() -> list[Case]:
     """`wgmma` with 256-column tiles (the long reductions' first choice): both epilogues, float32
     and bf16, a row that spills two columns into a second tile."""
@@ -459,6 +487,7 @@ def make_wide_tile_cases() -> list[Case]:
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
+                                make_strip_cases(32) +
                                 make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases())
 
@@ -705,8 +734,13 @@ MEMCHECK = textwrap.dedent("""
                     tiles={{"tile_p": 1, "tile_q": 256, "stage_out": so}}, **prec)
             # Whole lines (4 output rows a block or more): bf16 with two sets of groups, TF32 with
             # its weights in registers.
-            lines = dict(tiles={{"a_regs": 1, "nbuf": 4}}) if dtype == torch.float32 else {{}}
+            lines = dict(tiles={{"a_regs": 1, "nbuf": 4, "strip": 0}}) if dtype == torch.float32 else {{}}
             run("wgmma", dtype, (1, 16, 560, 264), (128, 16, 3, 3), view=False, **lines, **prec)
+            if dtype == torch.float32:  # TF32 strips: rows off sectors (paced), on them, a strided view
+                strip = dict(tiles={{"strip": 1, "nbuf": 5}}, precision="tf32")
+                run("wgmma", dtype, (2, 16, 40, 262), (64, 16, 3, 3), view=False, **strip)
+                run("wgmma", dtype, (2, 16, 40, 256), (128, 16, 3, 3), view=False, padding=1, **strip)
+                run("wgmma", dtype, (3, 8, 21, 130), (64, 8, 3, 3), stride=(2, 1), **strip)
             if dtype == torch.float32:  # 3xTF32: one stage (weight pairs resident), and per-stage sums
                 run("wgmma", dtype, (2, 16, 19, 70), (64, 16, 3, 3), padding=1, precision="ieee")
                 run("wgmma", dtype, (2, 40, 9, 264), (128, 40, 5, 7), view=False, padding=(2, 0),

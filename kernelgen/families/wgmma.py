@@ -74,6 +74,9 @@ FLUSH_K = 256
 # 0.70) and 240 (16->128 5x3: 0.99 against 1.30).
 SHORT_WS_K = {"tf32": 216, "ieee": 256}
 ARCHS = ("sm_90a",)
+# strip=1: blocks of a band keep pace through a progress counter each, after the packed weights
+# in the workspace; a grid of more blocks runs unpaced.
+MAXPROG = 1024
 
 
 def _ceil(a: int, b: int) -> int:
@@ -110,7 +113,10 @@ class WgmmaFamily(Family):
         # shared memory).
         areg = bool(t.get("a_regs", 0))
         nks = kr * kw * nch // 2  # wgmma k-steps a stage
-        slot = nspl * ((0 if wres else wvec) + xvec)
+        # strip=1: blocks walk down 128-column strips and the ring's slots hold input rows (one
+        # each), so that a strip's next tile loads SH new rows, not its whole halo.
+        strip = bool(t.get("strip", 0))
+        slot = nch * xq if strip else nspl * ((0 if wres else wvec) + xvec)
         smem = 16 * (((nspl - 1 if areg else nspl) * wvec if wres else 0) + nbuf * slot)
         ws = bool(t.get("ws", 0))  # warp-specialised: one producer warpgroup stages the input
         ncon = 128 * (bm // 64)  # consumer threads: one warpgroup per 64 output channels
@@ -125,7 +131,7 @@ class WgmmaFamily(Family):
         # lines (LINES: each row carries its unfinished last line to the row's next tile), so their
         # staging rows hold a line's shift, not a chunk's: 16-bit, and float32 with its weights in
         # registers (their shared memory is what makes room for 168-element rows).
-        lines = (bool(t.get("stage_out", 0)) and ws and wres and tp == 1 and not overlap
+        lines = (bool(t.get("stage_out", 0)) and ws and wres and tp == 1 and not overlap and not strip
                  and (esz == 2 or (areg and not split)))
         esrs = staged_row(tq + (128 - 16) // esz if lines else tq, esz)
         epi = (ncon // 32) * (tp if overlap else 1) * 16 * esrs * esz if t.get("stage_out", 0) else 0
@@ -152,9 +158,10 @@ class WgmmaFamily(Family):
             # none), which leaves the consumers their 184. Elsewhere the estimate stays the larger
             # one it was measured with: it also decides which tiles fit, and the smaller one let
             # 24->128 3x1 TF32 take the producer, 1.31 ms against 0.66 without (H100).
-            xg = _ceil(nch * xr * _ceil(xq, cpv), ntp)
+            lxr = 1 if strip else xr  # input rows a load covers
+            xg = _ceil(nch * lxr * _ceil(xq, cpv), ntp)
             rows = 0 if xasync else 8 * xpt
-            offs = 2 * xpt if wres else 0
+            offs = 2 * _ceil(nch * lxr * xq, ntp) if wres else 0
             beside = offs + REG_OVERHEAD + 16  # offsets and addresses
             if wres and areg and not split:
                 prod = max(4 * cpv * xg + GROUP_REGS + offs, rows + beside)
@@ -168,7 +175,7 @@ class WgmmaFamily(Family):
             # 32->128 5x5 on 256x512: 1.25 against 1.15-1.18), and 16-bit there loses (56 bf16
             # 1.16-1.18 against 1.06, its producer short of registers).
             two = 8 * cpv * xg + GROUP_REGS + (0 if wres else STAGE_REGS)
-            if two <= share and (cpv == 8 if wres else xasync and tp == 1):
+            if two <= share and (cpv == 8 or strip if wres else xasync and tp == 1):
                 xsets = 2
                 prod = max(two, rows + beside)
             regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
@@ -190,8 +197,9 @@ class WgmmaFamily(Family):
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
             "XASYNC": xasync, "XSETS": xsets, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush, "AREG": areg,
-            "EPI_BYTES": epi, "RSTAGE": rstage, "LINES": lines, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
-            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec,
+            "EPI_BYTES": epi, "RSTAGE": rstage, "LINES": lines, "STRIP": strip, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
+            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec + (4 * MAXPROG if strip else 0),
+            "MAXPROG": MAXPROG,
             # per thread (ws with a register split: a consumer's, within CREGS)
             "REGS": regs,
         }
@@ -223,6 +231,12 @@ class WgmmaFamily(Family):
         if lay["AREG"] and not (spec.dtype == "float32" and lay["WRES"]):
             raise Unsupported("a_regs=1 needs float32 with the whole reduction in one stage "
                               "(block_k covering the input channels of a group, full_kh=1)")
+        if lay["STRIP"] and not (lay["WS"] and lay["WRES"] and t["tile_p"] == 1 and spec.dtype == "float32"
+                                 and not lay["SPLIT3"] and lay["XASYNC"]):
+            raise Unsupported("strip=1 needs TF32 one-row tiles of one stage under a producer (ws=1, tile_p=1, "
+                              "async_x=1, block_k covering the input channels of a group, full_kh=1)")
+        if lay["STRIP"] and t["nbuf"] < lay["XR"]:
+            raise Unsupported(f"strip=1 needs a ring slot for each of a tile's {lay['XR']} input rows (nbuf)")
         if lay["WS"] and lay["OVERLAP"]:
             raise Unsupported("ws=1 and overlap=1 are exclusive")
         if lay["OVERLAP"] and not (lay["WRES"] and lay["STAGE_OUT"]):
@@ -317,6 +331,18 @@ class WgmmaFamily(Family):
           padding 1 4.21-4.23 / 4.28, on a 1018-wide input 4.23-4.37 / 4.76-4.78; but
           16->64 3x3 on 8 x 512 x 512 (padding 1) 0.461 / 0.429 and 32->128 3x1 1.035 /
           0.830. In 5 slots case 63 ran 4.90-5.02.
+        - strip (TF32 reductions under SHORT_WS_K, a kernel taller than its row stride): first, in the
+          deepest ring of input rows that fits (10 slots down to 3): blocks walk down
+          128-column strips of a band of rows and each tile loads only its new input rows (one
+          at stride 1, not its whole halo), so the producer keeps up and looks further ahead.
+          Where output rows do not start on 32-byte sectors the band's blocks keep pace
+          (strip_pace in the template). H100, same process (ms, strip / row order): case 63
+          4.39-4.44 / 4.74-4.77, with padding 1 3.80-3.86 / 4.12-4.21, on a 1018-wide input
+          4.37 / 4.64; 16->64 3x3 on 8 x 512 x 512 (padding 1) 0.336-0.360 / 0.441-0.446;
+          32->128 3x1 0.547-0.571 / 0.820-0.864; 8->128 3x3 0.462 / 0.495; 8->64 3x3 on 16 x
+          512 x 512 0.494-0.498 / 0.493-0.508. Only narrow rows that do not start on sectors
+          lost (16->64 3x3 on 8 x 512 x 511, padding 1, paced: 0.489-0.503 / 0.457-0.469), so
+          those keep row order unless a row is 8 strips or more.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -352,6 +378,13 @@ class WgmmaFamily(Family):
         shapes = [(r, tp, tqs, nb) for r in reductions for tp, tqs in pixels for nb in r[2]]
         if k_total < 512:
             order = [(1, 1, reductions[0], 1, tq, nb, 0) for nb in (6, 5, 4, 3)]
+            kh, dh, sh = spec.kernel_size[0], spec.dilation[0], spec.stride[0]
+            qt = _ceil(problem.Q, tq)
+            if (spec.dtype == "float32" and not split and k_total < SHORT_WS_K["tf32"] and (kh - 1) * dh + 1 > sh
+                    and (problem.Q % 8 == 0 or qt >= 8)):
+                # Strips (strip=1) first where a tile shares input rows with the one above it, and
+                # the output rows start on 32-byte sectors or are wide (see the docstring).
+                order = [(1, 1, reductions[0], 1, tq, nb, 0, 1) for nb in (10, 8, 6, 5, 4, 3)] + order
             if split:
                 # The resident weight pair leaves less room: the small weights in registers first,
                 # then 64-column tiles, stored from the fragments last.
@@ -374,12 +407,12 @@ class WgmmaFamily(Family):
             order = [(so, 1, *shape, 0) for so in (1, 0) for shape in shapes]
             order += [(so, 0, *shape, 0) for shape in shapes for so in (0, 1)]
         forced_ws = (fixed or {}).get("ws")
-        for stage, ws, (ck, full, _slots), tp, tqs, nbuf, areg in order:
+        for stage, ws, (ck, full, _slots), tp, tqs, nbuf, areg, *strip in order:
             if ck > 128 or (k_total >= 512 and ws and forced_ws == 0):
                 continue  # (a caller who forces ws=0 gets the order without a producer)
             cand = {"block_m": bm, "tile_p": tp, "tile_q": tqs, "block_k": ck, "full_kh": full, "nbuf": nbuf,
                     "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
-                    "overlap": 0, "ws": ws, "a_regs": areg, **(fixed or {})}
+                    "overlap": 0, "ws": ws, "a_regs": areg, "strip": strip[0] if strip else 0, **(fixed or {})}
             try:
                 self.check_tiles(spec, cand)
             except Unsupported:
@@ -395,9 +428,9 @@ wgmma = WgmmaFamily(
     name="wgmma", template="cuda/wgmma.cu.j2", device="cuda", layouts=("nchw",),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
-           "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": (3, 4, 5, 6),
+           "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": tuple(range(3, 17)),
            "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1), "ws": (0, 1),
-           "a_regs": (0, 1)},
+           "a_regs": (0, 1), "strip": (0, 1)},
 )
 
 FAMILIES = (wgmma,)
