@@ -175,7 +175,7 @@ class WgmmaFamily(Family):
             # 32->128 5x5 on 256x512: 1.25 against 1.15-1.18), and 16-bit there loses (56 bf16
             # 1.16-1.18 against 1.06, its producer short of registers).
             two = 8 * cpv * xg + GROUP_REGS + (0 if wres else STAGE_REGS)
-            if two <= share and (cpv == 8 or strip if wres else xasync and tp == 1):
+            if two <= share and ((cpv == 8 or strip) if wres else (xasync and tp == 1)):
                 xsets = 2
                 prod = max(two, rows + beside)
             regs, pregs, cregs = max(acc + REG_OVERHEAD, prod), 0, 0
@@ -376,8 +376,9 @@ class WgmmaFamily(Family):
         if k_total >= 512 and problem.Q > 128 and _ceil(problem.Q, 256) * 256 <= _ceil(problem.Q, 128) * 128:
             pixels.insert(0, (1, 256))
         shapes = [(r, tp, tqs, nb) for r in reductions for tp, tqs in pixels for nb in r[2]]
+        # Candidates: (stage_out, ws, reduction, tile_p, tile_q, nbuf, a_regs, strip).
         if k_total < 512:
-            order = [(1, 1, reductions[0], 1, tq, nb, 0) for nb in (6, 5, 4, 3)]
+            order = [(1, 1, reductions[0], 1, tq, nb, 0, 0) for nb in (6, 5, 4, 3)]
             kh, dh, sh = spec.kernel_size[0], spec.dilation[0], spec.stride[0]
             qt = _ceil(problem.Q, tq)
             if (spec.dtype == "float32" and not split and k_total < SHORT_WS_K["tf32"] and (kh - 1) * dh + 1 > sh
@@ -388,8 +389,8 @@ class WgmmaFamily(Family):
             if split:
                 # The resident weight pair leaves less room: the small weights in registers first,
                 # then 64-column tiles, stored from the fragments last.
-                order = [(1, 1, reductions[0], 1, tqs, nb, 1) for tqs in (tq, 64) for nb in (6, 5, 4, 3)] + order
-                order += [(so, 1, reductions[0], 1, 64, nb, 0) for so in (1, 0) for nb in (6, 5, 4, 3)]
+                order = [(1, 1, reductions[0], 1, tqs, nb, 1, 0) for tqs in (tq, 64) for nb in (6, 5, 4, 3)] + order
+                order += [(so, 1, reductions[0], 1, 64, nb, 0, 0) for so in (1, 0) for nb in (6, 5, 4, 3)]
             if spec.dtype == "float32" and k_total >= SHORT_WS_K[spec.math]:
                 # float32 that does not fit one stage: a producer warpgroup first, as for long
                 # reductions; one-row tiles first only where two consumer warpgroups share a tile,
@@ -400,19 +401,19 @@ class WgmmaFamily(Family):
                 # three, which the reduction-major order took, 0.852).
                 xgroup = spec.padding[1] % cpv == 0 and problem.W % cpv == 0  # the launch's pr.xgroup
                 pref = {r: pixels if bm == 64 or xgroup or r[0] <= kstep else pixels[::-1] for r in reductions}
-                order += [(so, 1, r, *pref[r][i], nb, 0) for so in (1, 0) for i in (0, 1) for r in reductions
+                order += [(so, 1, r, *pref[r][i], nb, 0, 0) for so in (1, 0) for i in (0, 1) for r in reductions
                           for nb in r[2]]
-            order += [(so, 0, *shape, 0) for so in (1, 0) for shape in shapes]
+            order += [(so, 0, *shape, 0, 0) for so in (1, 0) for shape in shapes]
         else:
-            order = [(so, 1, *shape, 0) for so in (1, 0) for shape in shapes]
-            order += [(so, 0, *shape, 0) for shape in shapes for so in (0, 1)]
+            order = [(so, 1, *shape, 0, 0) for so in (1, 0) for shape in shapes]
+            order += [(so, 0, *shape, 0, 0) for shape in shapes for so in (0, 1)]
         forced_ws = (fixed or {}).get("ws")
-        for stage, ws, (ck, full, _slots), tp, tqs, nbuf, areg, *strip in order:
+        for stage, ws, (ck, full, _slots), tp, tqs, nbuf, areg, strip in order:
             if ck > 128 or (k_total >= 512 and ws and forced_ws == 0):
                 continue  # (a caller who forces ws=0 gets the order without a producer)
             cand = {"block_m": bm, "tile_p": tp, "tile_q": tqs, "block_k": ck, "full_kh": full, "nbuf": nbuf,
                     "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
-                    "overlap": 0, "ws": ws, "a_regs": areg, "strip": strip[0] if strip else 0, **(fixed or {})}
+                    "overlap": 0, "ws": ws, "a_regs": areg, "strip": strip, **(fixed or {})}
             try:
                 self.check_tiles(spec, cand)
             except Unsupported:
