@@ -7,7 +7,8 @@
 # Leaves the clocks alone (--clock-control none). Run benchmarks/gpu_all.sh's stages or a
 # warm first so that nothing compiles under the profiler. NCU_SOURCE=1 also profiles each
 # kernelgen launch's SASS source page (one more launch) and summarises it with
-# benchmarks/ncu_sass.py into $OUT/ncu/<case>_<precision>_<who>.sass.txt.
+# benchmarks/ncu_sass.py into $OUT/ncu/<case>_<precision>_<who>.sass.txt. Words after <who> go to
+# benchmarks/profile_case.py (--tiles, --family, --padding) and into the file names.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-out}/ncu
@@ -19,6 +20,7 @@ sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Comp
 for run in "$@"; do
   read -r case prec who rest <<<"$run"
   name="${case}_${prec}_${who}"
+  if [[ -n $rest ]]; then name+="_${rest//[^A-Za-z0-9]/_}"; fi  # e.g. --padding 1: 63_tf32_kernelgen___padding_1
   if [[ $who == torch ]]; then filter=(--launch-skip 1 --launch-count 4); else
     filter=(-k "regex:kg_(gemm|wgmma|depthwise|direct)" --launch-skip 1 --launch-count 1); fi
   ncu --clock-control none "${filter[@]}" "${sections[@]}" --page raw --csv \
@@ -32,10 +34,21 @@ head = rows[0]
 want = ["Kernel Name", "gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
         "lts__xbar2lts_cycles_active.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
         "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
-        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread"]
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
+        "dram__bytes.sum.per_second"]
 for r in rows[2:]:
     d = dict(zip(head, r))
-    print("  " + " | ".join(f"{k.split('.')[0].split('__')[-1]}={d.get(k, '?')[:40]}" for k in want))
+    unit = dict(zip(head, rows[1]))
+    print("  " + " | ".join(f"{k.split('.')[0].split('__')[-1]}={d.get(k, '?')[:40]}{unit.get(k, '')}" for k in want))
+    try:  # bytes DRAM moved: its rate times the kernel's time (the sections report no plain sum)
+        scale = {"ns": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3, "nsecond": 1e-9,
+                 "byte/s": 1.0, "byte/second": 1.0, "Kbyte/s": 1e3, "Mbyte/s": 1e6, "Gbyte/s": 1e9, "Tbyte/s": 1e12,
+                 "Kbyte/second": 1e3, "Mbyte/second": 1e6, "Gbyte/second": 1e9, "Tbyte/second": 1e12}
+        t, r = "gpu__time_duration.sum", "dram__bytes.sum.per_second"
+        gb = (float(d[r].replace(",", "")) * scale[unit[r]] * float(d[t].replace(",", "")) * scale[unit[t]] / 1e9)
+        print(f"  DRAM moved {gb:.2f} GB")
+    except (KeyError, ValueError):
+        pass
     stalls = sorted(((float(v.replace(',', '')), k) for k, v in d.items()
                      if "issue_stalled" in k and k.endswith(".ratio") and k.startswith("smsp__average")
                      and v.replace(',', '').replace('.', '', 1).isdigit()), reverse=True)[:6]

@@ -1,8 +1,9 @@
 """One case, one precision, one implementation, run twice: a target for Nsight Compute.
 
-    python benchmarks/profile_case.py 63 tf32 kernelgen|torch [--tiles JSON] [--family NAME] [--sass DIR]
+    python benchmarks/profile_case.py 63 tf32 kernelgen|torch [--tiles JSON] [--family NAME] [--padding P] [--sass DIR]
 
-The first call compiles (or loads) and warms up; profile the second, e.g. with
+--padding replaces the case's padding (63 with --padding 1: 1024-wide output rows, each on a
+32-byte sector, against 63's own 1022). The first call compiles (or loads) and warms up; profile the second, e.g. with
 benchmarks/ncu_cases.sh. Inputs are random, as in bench_cases.py. --sass DIR writes the machine code
 (cuobjdump -sass) of every kernelgen extension the process loaded to DIR/<case>_<precision>.sass.
 """
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("who", choices=("kernelgen", "torch"))
     ap.add_argument("--family")
     ap.add_argument("--tiles", type=json.loads)
+    ap.add_argument("--padding", type=int, help="instead of the case's own padding")
     ap.add_argument("--sass", type=Path, help="write the loaded kernels' SASS here")
     args = ap.parse_args(argv)
     c = CASES[args.case]
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.rand(c.N, c.C, c.H, c.W, device="cuda", generator=g).to(dtype)
     w = (torch.rand(c.K, c.C // c.groups, *c.kernel, device="cuda", generator=g) - 0.5).to(dtype)
-    kw = dict(stride=c.stride, padding=c.padding, groups=c.groups)
+    kw = dict(stride=c.stride, padding=c.padding if args.padding is None else args.padding, groups=c.groups)
     if args.who == "torch":
         fn = lambda: F.conv2d(x, w, **kw)  # noqa: E731
     else:

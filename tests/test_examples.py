@@ -343,9 +343,20 @@ def test_bench_ceiling_says_it_has_nothing_to_measure_without_a_gpu():
 @pytest.mark.nvcc
 @pytest.mark.compile
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("name", ["store_patterns.cu", "store_lines.cu"])
+@pytest.mark.parametrize("name", ["store_patterns.cu", "store_lines.cu", "store_strips.cu"])
 def test_store_benchmarks_compile(name, tmp_path):
     # The stand-alone CUDA benchmarks the results and templates cite must keep building.
     r = subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(tmp_path / "b"), str(ROOT / "benchmarks" / name)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_profiling_scripts_parse():
+    # The Nsight Compute wrapper is only run on the GPU host: its bash and the case runner's
+    # options (--padding for case 63's aligned twin) must at least parse here.
+    r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "ncu_cases.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_case.py"), "--help"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "--padding" in r.stdout and "--tiles" in r.stdout
