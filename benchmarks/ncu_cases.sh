@@ -36,16 +36,17 @@ want = ["Kernel Name", "gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_o
         "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
         "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
         "dram__bytes.sum.per_second"]
+unit = dict(zip(head, rows[1]))
+# Bytes DRAM moved: its rate times the kernel's time (the sections report no plain sum).
+scale = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3,
+         **{p + "byte/" + s: m for p, m in (("", 1.0), ("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12))
+            for s in ("s", "second")}}
+rate, dur = "dram__bytes.sum.per_second", "gpu__time_duration.sum"
 for r in rows[2:]:
     d = dict(zip(head, r))
-    unit = dict(zip(head, rows[1]))
     print("  " + " | ".join(f"{k.split('.')[0].split('__')[-1]}={d.get(k, '?')[:40]}{unit.get(k, '')}" for k in want))
-    try:  # bytes DRAM moved: its rate times the kernel's time (the sections report no plain sum)
-        scale = {"ns": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3, "nsecond": 1e-9,
-                 "byte/s": 1.0, "byte/second": 1.0, "Kbyte/s": 1e3, "Mbyte/s": 1e6, "Gbyte/s": 1e9, "Tbyte/s": 1e12,
-                 "Kbyte/second": 1e3, "Mbyte/second": 1e6, "Gbyte/second": 1e9, "Tbyte/second": 1e12}
-        t, r = "gpu__time_duration.sum", "dram__bytes.sum.per_second"
-        gb = (float(d[r].replace(",", "")) * scale[unit[r]] * float(d[t].replace(",", "")) * scale[unit[t]] / 1e9)
+    try:
+        gb = float(d[rate].replace(",", "")) * scale[unit[rate]] * float(d[dur].replace(",", "")) * scale[unit[dur]] / 1e9
         print(f"  DRAM moved {gb:.2f} GB")
     except (KeyError, ValueError):
         pass

@@ -2,10 +2,11 @@
 
     python benchmarks/profile_case.py 63 tf32 kernelgen|torch [--tiles JSON] [--family NAME] [--padding P] [--sass DIR]
 
---padding replaces the case's padding (63 with --padding 1: 1024-wide output rows, each on a
-32-byte sector, against 63's own 1022). The first call compiles (or loads) and warms up; profile the second, e.g. with
-benchmarks/ncu_cases.sh. Inputs are random, as in bench_cases.py. --sass DIR writes the machine code
-(cuobjdump -sass) of every kernelgen extension the process loaded to DIR/<case>_<precision>.sass.
+The first call compiles (or loads) and warms up; profile the second, e.g. with
+benchmarks/ncu_cases.sh. --padding replaces the case's own (63 with --padding 1: 1024-wide output
+rows, each on a 32-byte sector, against 63's 1022). Inputs are random, as in bench_cases.py.
+--sass DIR writes the machine code (cuobjdump -sass) of every kernelgen extension the process
+loaded to DIR/<case>_<precision>.sass.
 """
 
 from __future__ import annotations
