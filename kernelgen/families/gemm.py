@@ -243,7 +243,9 @@ class GemmFamily(Family):
           just read). H100, case 87: bf16 2.36-2.41 ms against 2.60-2.66 for 128 pixels and
           8 warps (F.conv2d 2.46-2.54); TF32 4.70-4.76 against 4.75-4.84 (F.conv2d 4.61-4.69).
           TF32 was no faster with 256 pixels (4.72), two blocks an SM (4.76-4.80) or a block
-          a tile (5.5-7.0).
+          a tile (5.5-7.0); nor with 64 x 64 warp tiles (256 pixels, 2x4 warps: 4.70-4.78
+          against 4.74-4.76), staging in a region of its own (4.80), or the staged rows leaving
+          as one cp.async.bulk copy each (7.3: about 85 cycles a copy on an SM).
         - block_k takes all of CIN_G when that is at most 64 channels: the reduction is
           one stage, the weights stay resident and blocks are persistent (the
           memory-bound 1x1 and small-CIN k x k cases). Otherwise 16 channels, or 8 for
