@@ -259,6 +259,26 @@ def test_strips_hold_input_rows_and_serve_short_tf32_reductions():
     assert strip((8, 24, 256, 256), (128, 24, 3, 3), padding=1) == 0  # 216: several stages
 
 
+def test_strip_rings_keep_a_slot_beyond_what_a_consumer_holds():
+    # The producer hands a cp.async row over once the next row's copies are in a free slot, so a
+    # strip's ring holds a tile's XR rows and one more: nbuf == XR waited forever once a band had
+    # two tiles. A 10-row kernel (XR 10) therefore no longer takes strips in the dispatcher's
+    # deepest ring, 10.
+    spec = _choose(**CASES["63"], family="wgmma")
+    t = dict(spec.tiles)
+    with pytest.raises(Unsupported, match=r"3 input rows and one more \(nbuf > 3\)"):
+        FAM.check_tiles(spec, {**t, "nbuf": 3})
+    FAM.check_tiles(spec, {**t, "nbuf": 4})
+    tall = _choose(x=(8, 16, 512, 513), w=(64, 16, 10, 1), family="wgmma")
+    assert dict(tall.tiles)["strip"] == 0
+    as_strip = {**dict(tall.tiles), "strip": 1, "ws": 1, "tile_p": 1, "async_x": 1, "block_k": 16,
+                "nbuf": 10}
+    assert FAM.layout(tall, as_strip)["XR"] == 10
+    with pytest.raises(Unsupported, match=r"nbuf > 10"):
+        FAM.check_tiles(tall, as_strip)
+    FAM.check_tiles(tall, {**as_strip, "nbuf": 11})  # (the dispatcher's rings stop at 10)
+
+
 @pytest.mark.parametrize("x, w, math, padding, expect", [
     # float32 reductions of 256-511 that do not fit one stage: a producer warpgroup over several
     # stages a tile, one-row tiles where two consumer warpgroups share a tile (128 channels).

@@ -461,7 +461,7 @@ def make_strip_cases(n: int, seed: int = 3579) -> list[Case]:
         dilation = rng.choice([(1, 1), (1, 1), (2, 1)])
         padding = rng.choice([0, 0, 1, (2, 4), (1, 0)])
         eh = dilation[0] * (kernel[0] - 1) + 1
-        nbuf = rng.choice([max(eh, 3), max(eh + 1, 3), max(eh, 6)])
+        nbuf = rng.choice([max(eh + 1, 3), max(eh + 2, 3), max(eh + 1, 6)])  # a halo's rows and one more, up
         layout = rng.choice(["contiguous", "contiguous", "strided_view"])
         N = rng.choice([0, 1, 2, 3])
         H = max(rng.choice([rng.randint(2, 12), rng.randint(40, 300)]), eh)
@@ -469,6 +469,13 @@ def make_strip_cases(n: int, seed: int = 3579) -> list[Case]:
         cases.append(Case(4900 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
                           "float32", "tf32", layout, H, W, "wgmma",
                           (("strip", 1), ("ws", 1), ("nbuf", nbuf), ("stage_out", rng.choice([0, 1, 1])))))
+    # The shallowest ring a strip may take, a halo's rows and one more, where rows come by cp.async
+    # (padding 1: the producer hands a row over once the next one's copies are in a free slot) and
+    # bands of several rows cross images: with no slot more, this waited forever.
+    for idx, (C, K, kernel, dilation) in enumerate([(16, 64, (3, 3), (1, 1)), (8, 128, (3, 1), (2, 1))]):
+        eh = dilation[0] * (kernel[0] - 1) + 1
+        cases.append(Case(4900 + n + idx, 3, C, K, 1, kernel, (1, 1), 1, dilation, idx == 0, "float32", "tf32",
+                          "contiguous", 40, 300, "wgmma", (("strip", 1), ("ws", 1), ("nbuf", eh + 1))))
     return cases
 
 

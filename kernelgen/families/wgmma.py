@@ -235,8 +235,12 @@ class WgmmaFamily(Family):
                                  and not lay["SPLIT3"] and lay["XASYNC"]):
             raise Unsupported("strip=1 needs TF32 one-row tiles of one stage under a producer (ws=1, tile_p=1, "
                               "async_x=1, block_k covering the input channels of a group, full_kh=1)")
-        if lay["STRIP"] and t["nbuf"] < lay["XR"]:
-            raise Unsupported(f"strip=1 needs a ring slot for each of a tile's {lay['XR']} input rows (nbuf)")
+        # A strip's producer hands a cp.async row over only once the next row's copies are issued
+        # into a free slot: the ring holds the rows a consumer keeps while it waits, a tile's, and
+        # one more.
+        keep = lay["XR"]
+        if lay["STRIP"] and t["nbuf"] <= keep:
+            raise Unsupported(f"strip=1 needs a ring slot for each of {keep} input rows and one more (nbuf > {keep})")
         if lay["WS"] and lay["OVERLAP"]:
             raise Unsupported("ws=1 and overlap=1 are exclusive")
         if lay["OVERLAP"] and not (lay["WRES"] and lay["STAGE_OUT"]):
@@ -332,7 +336,8 @@ class WgmmaFamily(Family):
           16->64 3x3 on 8 x 512 x 512 (padding 1) 0.461 / 0.429 and 32->128 3x1 1.035 /
           0.830. In 5 slots case 63 ran 4.90-5.02.
         - strip (TF32 reductions under SHORT_WS_K, a kernel taller than its row stride): first, in the
-          deepest ring of input rows that fits (10 slots down to 3): blocks walk down
+          deepest ring of input rows that fits (10 slots down to 3, more than a tile's rows: the
+          producer hands a row over once the next one's copies are in a free slot): blocks walk down
           128-column strips of a band of rows and each tile loads only its new input rows (one
           at stride 1, not its whole halo), so the producer keeps up and looks further ahead.
           Where output rows do not start on 32-byte sectors the band's blocks keep pace
