@@ -279,6 +279,31 @@ def test_strip_rings_keep_a_slot_beyond_what_a_consumer_holds():
     FAM.check_tiles(tall, {**as_strip, "nbuf": 11})  # (the dispatcher's rings stop at 10)
 
 
+def test_two_accumulator_sets_are_a_tuners_option():
+    # acc2=1: a consumer's next tile's MMAs are issued before this tile's epilogue, into a second
+    # set of accumulators, which the register split pays for. Never chosen by default.
+    for case, kw in (("63", {}), ("63", dict(dtype="bfloat16")), ("63", dict(math="ieee")), ("56", {}),
+                     ("87", dict(dtype="bfloat16"))):
+        assert dict(_choose(**CASES[case], **kw).tiles).get("acc2", 0) == 0
+    for kw in ({}, dict(dtype="bfloat16")):
+        spec = _choose(**CASES["63"], family="wgmma", tiles={"acc2": 1}, **kw)
+        lay = FAM.layout(spec)
+        assert lay["ACC2"] and lay["REGS"] == 2 * 64 + 48 and lay["PREGS"] and lay["CREGS"] >= lay["REGS"]
+        assert lay["NTH"] * lay["REGS"] > 65536  # the even share would not hold both sets
+    # A strip's ring then holds two tiles' rows (the next one's all new at an image's top) and one more.
+    spec = _choose(**CASES["63"], family="wgmma")
+    t = {**dict(spec.tiles), "acc2": 1}
+    with pytest.raises(Unsupported, match=r"acc2=1 needs a ring slot for each of 6 input rows"):
+        FAM.check_tiles(spec, {**t, "nbuf": 6})
+    FAM.check_tiles(spec, {**t, "nbuf": 7})
+    # One stage a tile under a producer only.
+    long = _choose(**CASES["56"], family="wgmma")
+    with pytest.raises(Unsupported, match="acc2=1 needs one stage a tile"):
+        FAM.check_tiles(long, {**dict(long.tiles), "acc2": 1})
+    with pytest.raises(Unsupported, match="acc2=1 needs one stage a tile"):
+        FAM.check_tiles(spec, {**t, "strip": 0, "ws": 0, "nbuf": 3})
+
+
 @pytest.mark.parametrize("x, w, math, padding, expect", [
     # float32 reductions of 256-511 that do not fit one stage: a producer warpgroup over several
     # stages a tile, one-row tiles where two consumer warpgroups share a tile (128 channels).
@@ -409,6 +434,7 @@ WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "floa
                                               ("63", "float32", None), ("63", "float32", {"overlap": 1}),
                                               ("63", "float32", {"a_regs": 1, "nbuf": 4, "strip": 0}),
                                               ("63", "float32", {"strip": 0, "nbuf": 3}),
+                                              ("63", "float32", {"acc2": 1}), ("63", "bfloat16", {"acc2": 1}),
                                               ("87", "float32", None), ("56", "ieee", None), ("63", "ieee", None),
                                               ("87", "ieee", None), ("56", "ieee", {"ws": 0})])
 def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
@@ -431,6 +457,9 @@ def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
     report = r.stdout + r.stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in report and " bytes spill stores" not in \
         report.replace("0 bytes spill stores", ""), report
+    # No wgmma waits of ptxas's own (C7517: registers of an MMA in flight read before its wait),
+    # which would serialise acc2's two sets.
+    assert "C7517" not in report, report
     lay = FAM.layout(spec)
     # Per-stage partial sums start each stage with a wgmma that overwrites (scale-d 0), only there;
     # small weights held in registers are wgmma's register A operand.

@@ -18,7 +18,7 @@ import random
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,10 @@ import torch
 import torch.nn.functional as F
 
 import kernelgen
+from kernelgen import dispatch
+from kernelgen.errors import Unsupported
 from kernelgen.functional import spec_for
+from kernelgen.spec import ConvSpec, Problem
 
 pytestmark = pytest.mark.gpu
 
@@ -479,6 +482,39 @@ def make_strip_cases(n: int, seed: int = 3579) -> list[Case]:
     return cases
 
 
+def fits_hopper(case: Case) -> bool:
+    """Whether the case's forced family and tiles serve it on sm_90a (registers, shared memory)."""
+    params = dict(in_channels=case.C, out_channels=case.K, kernel_size=case.kernel, stride=case.stride,
+                  padding=case.padding, dilation=case.dilation, groups=case.groups, dtype=case.dtype, bias=case.bias)
+    P, Q = ConvSpec(**params).output_size(case.H, case.W)
+    problem = Problem(N=max(case.N, 1), H=case.H, W=case.W, P=P, Q=Q, arch="sm_90a")
+    math = case.precision if case.dtype == "float32" else "ieee"
+    try:
+        dispatch.choose(params, "cuda", problem, False, math, family=case.family, tiles=dict(case.tiles))
+    except (Unsupported, kernelgen.ConvArgumentError):  # (a forced family's refusal)
+        return False
+    return True
+
+
+def make_acc2_cases() -> list[Case]:
+    """`wgmma` with two accumulator sets (tile acc2=1: a consumer issues its next tile's MMAs
+    before it stores this one): the producer's one-stage tiles in every dtype and output path
+    (random shapes, and the 16-bit whole-line outputs of make_ws_cases), and strips, whose ring
+    then holds two tiles' input rows (random strips, their rings deepened to that). Shapes whose
+    producer needs the registers the second set takes are left out."""
+    acc2 = (("acc2", 1),)
+    cases = make_one_stage_cases(24, 2468, 5000, lambda rng: (("stage_out", rng.choice([0, 1, 1])), ("ws", 1)) + acc2)
+    cases += [replace(c, idx=5024 + i, tiles=c.tiles + acc2)
+              for i, c in enumerate(c for c in make_ws_cases(0) if 4108 <= c.idx < 4114)]
+    for i, c in enumerate(make_strip_cases(20, seed=8531)):
+        eh = c.dilation[0] * (c.kernel[0] - 1) + 1
+        tiles = tuple((k, max(v, 2 * eh + 1) if k == "nbuf" else v) for k, v in c.tiles) + acc2
+        cases.append(replace(c, idx=5030 + i, tiles=tiles))
+    cases = [c for c in cases if dict(c.tiles).get("nbuf", 3) <= 16 and fits_hopper(c)]
+    assert len(cases) >= 36, "acc2 sweep: too few shapes fit"
+    return cases
+
+
 def make_wide_tile_cases() -> list[Case]:
     """`wgmma` with 256-column tiles (the long reductions' first choice): both epilogues, float32
     and bf16, a row that spills two columns into a second tile."""
@@ -494,7 +530,7 @@ def make_wide_tile_cases() -> list[Case]:
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
-                                make_strip_cases(32) +
+                                make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases())
 
@@ -743,6 +779,13 @@ MEMCHECK = textwrap.dedent("""
             # its weights in registers.
             lines = dict(tiles={{"a_regs": 1, "nbuf": 4, "strip": 0}}) if dtype == torch.float32 else {{}}
             run("wgmma", dtype, (1, 16, 560, 264), (128, 16, 3, 3), view=False, **lines, **prec)
+            # Two accumulator sets (acc2=1): whole lines (bf16), paced strips and 3xTF32 (float32).
+            if dtype == torch.float32:
+                run("wgmma", dtype, (2, 16, 40, 262), (64, 16, 3, 3), view=False, precision="tf32",
+                    tiles={{"strip": 1, "nbuf": 7, "acc2": 1}})
+                run("wgmma", dtype, (2, 16, 19, 70), (128, 16, 3, 3), padding=1, precision="ieee", tiles={{"acc2": 1}})
+            else:
+                run("wgmma", dtype, (1, 16, 560, 264), (128, 16, 3, 3), view=False, tiles={{"acc2": 1}}, **prec)
             if dtype == torch.float32:  # TF32 strips: rows off sectors (paced), on them, a strided view
                 strip = dict(tiles={{"strip": 1, "nbuf": 5}}, precision="tf32")
                 run("wgmma", dtype, (2, 16, 40, 262), (64, 16, 3, 3), view=False, **strip)

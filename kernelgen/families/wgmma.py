@@ -33,7 +33,8 @@ of registers (1 x 256 tiles), the producer gives some back (setmaxnreg). One-row
 stage (16-bit, and TF32 with its weights in the consumers' registers) also build a kernel that
 writes whole 128-byte lines: the launch deals blocks whole output rows, and each channel's row
 carries its unfinished last line from one tile to the next (case 63 bf16 on the H100: 2.84-2.88
-ms against 3.11-3.15).
+ms against 3.11-3.15). A tuner may give a consumer two sets of accumulators (tile `acc2=1`), so
+that its next tile's MMAs run under this tile's epilogue.
 
 Layout constants come from `layout()`, the one place `check_tiles` and the template take
 them from.
@@ -61,6 +62,10 @@ REG_OVERHEAD = 48
 # TF32's two sets spilled 40 bytes with 128 registers, none with 152).
 GROUP_REGS = 32
 STAGE_REGS = 24
+# A strip's producer walks rows, not tiles (its cursor keeps the tile, the row within it and its new
+# rows): two sets of groups spilled 68 bytes with 96 registers and none with 112 (case 63 TF32
+# with acc2, ptxas), where the register split makes the estimate binding.
+STRIP_REGS = 16
 MAX_REGS = 255
 REG_FILE = 65536  # 32-bit registers per SM
 # 3xTF32 over a reduction longer than this sums each stage apart (FLUSH): wgmma accumulates by
@@ -146,7 +151,10 @@ class WgmmaFamily(Family):
         # stage per tile), and REG_OVERHEAD for addresses. ws: the producer holds the rows (4 * cpv
         # per group of cpv columns, x_groups; or two sets of rows, 16-bit unaligned) and offsets,
         # a consumer the accumulators.
-        acc = tp * tq // 2 * (2 if flush else 1) + (4 * nks if areg else 0)  # (and the A fragments)
+        # acc2=1 (one stage a tile under a producer): two sets, the next tile's MMAs run under this
+        # tile's epilogue.
+        acc2 = bool(t.get("acc2", 0))
+        acc = tp * tq // 2 * (2 if flush or acc2 else 1) + (4 * nks if areg else 0)  # (and the A fragments)
         xsets = 1
         if ws:
             # The producer's two input paths: 16-byte groups (4 * cpv registers per group of cpv
@@ -174,7 +182,7 @@ class WgmmaFamily(Family):
             # ones lose a little (TF32 2x128 tiles, 64->128 3x3 on 512x512: 2.22 against 2.17;
             # 32->128 5x5 on 256x512: 1.25 against 1.15-1.18), and 16-bit there loses (56 bf16
             # 1.16-1.18 against 1.06, its producer short of registers).
-            two = 8 * cpv * xg + GROUP_REGS + (0 if wres else STAGE_REGS)
+            two = 8 * cpv * xg + GROUP_REGS + (0 if wres else STAGE_REGS) + (STRIP_REGS if strip else 0)
             if two <= share and ((cpv == 8 or strip) if wres else (xasync and tp == 1)):
                 xsets = 2
                 prod = max(two, rows + beside)
@@ -197,7 +205,7 @@ class WgmmaFamily(Family):
             "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
             "XASYNC": xasync, "XSETS": xsets, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush, "AREG": areg,
-            "EPI_BYTES": epi, "RSTAGE": rstage, "LINES": lines, "STRIP": strip, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
+            "EPI_BYTES": epi, "RSTAGE": rstage, "LINES": lines, "STRIP": strip, "ACC2": acc2, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec + (4 * MAXPROG if strip else 0),
             "MAXPROG": MAXPROG,
             # per thread (ws with a register split: a consumer's, within CREGS)
@@ -236,11 +244,15 @@ class WgmmaFamily(Family):
             raise Unsupported("strip=1 needs TF32 one-row tiles of one stage under a producer (ws=1, tile_p=1, "
                               "async_x=1, block_k covering the input channels of a group, full_kh=1)")
         # A strip's producer hands a cp.async row over only once the next row's copies are issued
-        # into a free slot: the ring holds the rows a consumer keeps while it waits, a tile's, and
-        # one more.
-        keep = lay["XR"]
+        # into a free slot: the ring holds the rows a consumer keeps while it waits, and one more.
+        # Those are a tile's, or with acc2 two tiles' (the next one's new rows all XR at an image's top).
+        keep = lay["XR"] * (2 if lay["ACC2"] else 1)
         if lay["STRIP"] and t["nbuf"] <= keep:
-            raise Unsupported(f"strip=1 needs a ring slot for each of {keep} input rows and one more (nbuf > {keep})")
+            raise Unsupported(f"strip=1{' with acc2=1' if lay['ACC2'] else ''} needs a ring slot for each of "
+                              f"{keep} input rows and one more (nbuf > {keep})")
+        if lay["ACC2"] and not (lay["WS"] and lay["SPT"] == 1 and not lay["FLUSH"]):
+            raise Unsupported("acc2=1 needs one stage a tile under a producer (ws=1, block_k covering the input "
+                              "channels of a group, full_kh=1)")
         if lay["WS"] and lay["OVERLAP"]:
             raise Unsupported("ws=1 and overlap=1 are exclusive")
         if lay["OVERLAP"] and not (lay["WRES"] and lay["STAGE_OUT"]):
@@ -348,6 +360,16 @@ class WgmmaFamily(Family):
           512 x 512 0.494-0.498 / 0.493-0.508. Only narrow rows that do not start on sectors
           lost (16->64 3x3 on 8 x 512 x 511, padding 1, paced: 0.489-0.503 / 0.457-0.469), so
           those keep row order unless a row is 8 strips or more.
+        - acc2: never by default. A consumer keeps two sets of accumulators and issues its next
+          tile's MMAs before it stores this one (and, on paced strips, before it waits for its
+          band). H100, same process (ms, acc2=1 / default, two rounds where given): 3xTF32 on
+          case 63 6.83-7.00 / 7.15, with padding 1 6.16 / 6.49, 16->128 3x3 on 8 x 512 x 512
+          0.807 / 0.857, but 16->64 there 0.682 / 0.543 and case 87 5.44 / 5.33; TF32 case 63
+          4.25-4.65 / 4.30-4.40 (noise either way), with padding 1 3.84 / 3.79, 16->128 3x3 on 8 x
+          1000 x 1000 2.10-2.26 / 2.22-2.29; bf16 case 63 2.97 / 2.85, with padding 1 3.14 / 2.75.
+          The loop keeps each set in fixed registers by taking two tiles a turn, which doubles the
+          epilogue's code (63 bf16's whole-line kernel: 9,472 SASS instructions against 5,056),
+          and the second set costs the producer registers. A tuner may force it.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -436,7 +458,7 @@ wgmma = WgmmaFamily(
     tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
            "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": tuple(range(3, 17)),
            "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1), "ws": (0, 1),
-           "a_regs": (0, 1), "strip": (0, 1)},
+           "a_regs": (0, 1), "strip": (0, 1), "acc2": (0, 1)},
 )
 
 FAMILIES = (wgmma,)
