@@ -279,12 +279,28 @@ def test_strip_rings_keep_a_slot_beyond_what_a_consumer_holds():
     FAM.check_tiles(tall, {**as_strip, "nbuf": 11})  # (the dispatcher's rings stop at 10)
 
 
-def test_two_accumulator_sets_are_a_tuners_option():
+def test_two_accumulator_sets_by_default_only_for_strict_128_channel_tiles_of_several_taps():
     # acc2=1: a consumer's next tile's MMAs are issued before this tile's epilogue, into a second
-    # set of accumulators, which the register split pays for. Never chosen by default.
-    for case, kw in (("63", {}), ("63", dict(dtype="bfloat16")), ("63", dict(math="ieee")), ("56", {}),
-                     ("87", dict(dtype="bfloat16"))):
-        assert dict(_choose(**CASES[case], **kw).tiles).get("acc2", 0) == 0
+    # set of accumulators, which the register split pays for. By default only for 3xTF32 with its
+    # weights in registers, 128 output channels over 64-column tiles, and a kernel of several taps
+    # (the shapes where it measured faster); a tuner may force it, or turn it off.
+    strict = dict(math="ieee")
+    for x, w, padding in (((16, 16, 1024, 1024), (128, 16, 3, 3), 0), ((16, 16, 1024, 1024), (128, 16, 3, 3), 1),
+                          ((8, 12, 512, 512), (128, 12, 3, 3), 1), ((8, 16, 512, 512), (256, 16, 3, 3), 1),
+                          ((8, 24, 512, 512), (128, 24, 3, 1), 0), ((8, 16, 1000, 1000), (128, 16, 3, 3), 0)):
+        t = dict(_choose(x, w, padding=padding, **strict).tiles)
+        assert t["acc2"] == 1 and t["a_regs"] == 1 and t["block_m"] == 128 and t["tile_q"] == 64, (x, w, t)
+    for x, w, padding in (((8, 16, 512, 512), (64, 16, 3, 3), 1),   # 64 channels: 128-column tiles
+                          ((8, 4, 512, 512), (128, 4, 1, 3), 0),    # 128-column tiles
+                          ((8, 8, 512, 512), (128, 8, 3, 3), 1),    # 128-column tiles
+                          ((16, 64, 1024, 1024), (128, 64, 1, 1), 0),  # case 87: one tap
+                          ((8, 16, 64, 64), (128, 16, 3, 3), 1)):    # rows of 64: not measured
+        assert dict(_choose(x, w, padding=padding, **strict).tiles).get("acc2", 0) == 0, (x, w)
+    for case, kw in (("63", {}), ("63", dict(dtype="bfloat16")), ("56", {}), ("56", strict),
+                     ("87", dict(dtype="bfloat16")), ("87", strict)):
+        assert dict(_choose(**CASES[case], **kw).tiles).get("acc2", 0) == 0, (case, kw)
+    off = dict(_choose(**CASES["63"], family="wgmma", tiles={"acc2": 0}, **strict).tiles)
+    assert off["acc2"] == 0 and {**off, "acc2": 1} == dict(_choose(**CASES["63"], **strict).tiles)
     for kw in ({}, dict(dtype="bfloat16")):
         spec = _choose(**CASES["63"], family="wgmma", tiles={"acc2": 1}, **kw)
         lay = FAM.layout(spec)
@@ -385,7 +401,9 @@ def test_strict_float32_runs_3xtf32_with_partial_sums_over_long_reductions():
         t, lay = dict(spec.tiles), FAM.layout(spec)
         assert (t["ws"], t["tile_q"], t["stage_out"], t["a_regs"]) == (1, 64, 1, 1)
         assert lay["SPLIT3"] and lay["WRES"] and lay["AREG"] and not lay["FLUSH"]
-        assert lay["REGS"] == 32 + 4 * ksteps + 48 and lay["SMEM_BYTES"] <= SMEM_LIMIT
+        # 63 (nine taps) also keeps two accumulator sets; 87 (one tap) one.
+        assert t["acc2"] == (case == "63")
+        assert lay["REGS"] == 32 * (1 + t["acc2"]) + 4 * ksteps + 48 and lay["SMEM_BYTES"] <= SMEM_LIMIT
         # Both halves in shared memory (a_regs=0): 63's pair (147 KB) leaves no room for staging.
         if case == "63":
             with pytest.raises(Unsupported, match="shared memory"):

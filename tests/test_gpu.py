@@ -482,18 +482,23 @@ def make_strip_cases(n: int, seed: int = 3579) -> list[Case]:
     return cases
 
 
-def fits_hopper(case: Case) -> bool:
-    """Whether the case's forced family and tiles serve it on sm_90a (registers, shared memory)."""
+def hopper_spec(case: Case) -> ConvSpec | None:
+    """The spec the case gets on sm_90a (its forced family and tiles, or the dispatcher's), or
+    None where the forced ones do not serve it (registers, shared memory)."""
     params = dict(in_channels=case.C, out_channels=case.K, kernel_size=case.kernel, stride=case.stride,
                   padding=case.padding, dilation=case.dilation, groups=case.groups, dtype=case.dtype, bias=case.bias)
     P, Q = ConvSpec(**params).output_size(case.H, case.W)
     problem = Problem(N=max(case.N, 1), H=case.H, W=case.W, P=P, Q=Q, arch="sm_90a")
     math = case.precision if case.dtype == "float32" else "ieee"
     try:
-        dispatch.choose(params, "cuda", problem, False, math, family=case.family, tiles=dict(case.tiles))
+        return dispatch.choose(params, "cuda", problem, False, math, family=case.family, tiles=dict(case.tiles))
     except (Unsupported, kernelgen.ConvArgumentError):  # (a forced family's refusal)
-        return False
-    return True
+        return None
+
+
+def fits_hopper(case: Case) -> bool:
+    """Whether the case's forced family and tiles serve it on sm_90a."""
+    return hopper_spec(case) is not None
 
 
 def make_acc2_cases() -> list[Case]:
@@ -512,7 +517,22 @@ def make_acc2_cases() -> list[Case]:
         cases.append(replace(c, idx=5030 + i, tiles=tiles))
     cases = [c for c in cases if fits_hopper(c)]  # (also drops rings past the 16 slots nbuf allows)
     assert len(cases) >= 36, "acc2 sweep: too few shapes fit"
-    return cases
+    # Strict float32 as the dispatcher serves it where two sets are its default (128 output channels
+    # over 64-column tiles, weights in registers, several taps): bias, a strided view, an unbatched
+    # input, a second m-block, rows that end mid-tile.
+    default = []
+    for idx, (N, C, K, kernel, padding, layout, H, W) in enumerate([
+            (2, 16, 128, (3, 3), 1, "contiguous", 11, 130),
+            (1, 12, 256, (3, 3), 0, "strided_view", 9, 203),
+            (0, 24, 96, (3, 1), 0, "contiguous", 8, 150),
+            (2, 48, 128, (1, 3), (0, 1), "contiguous", 7, 141),
+            (3, 16, 192, (3, 3), 1, "strided_view", 6, 97)]):
+        default.append(Case(5060 + idx, N, C, K, 1, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, "float32", "ieee",
+                            layout, H, W, None))
+    for c in default:
+        spec = hopper_spec(c)
+        assert spec.family == "wgmma" and dict(spec.tiles)["acc2"] == 1, (c, spec)
+    return cases + default
 
 
 def make_wide_tile_cases() -> list[Case]:

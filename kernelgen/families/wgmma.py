@@ -360,16 +360,24 @@ class WgmmaFamily(Family):
           512 x 512 0.494-0.498 / 0.493-0.508. Only narrow rows that do not start on sectors
           lost (16->64 3x3 on 8 x 512 x 511, padding 1, paced: 0.489-0.503 / 0.457-0.469), so
           those keep row order unless a row is 8 strips or more.
-        - acc2: never by default. A consumer keeps two sets of accumulators and issues its next
-          tile's MMAs before it stores this one (and, on paced strips, before it waits for its
-          band). H100, same process (ms, acc2=1 / default, two rounds where given): 3xTF32 on
-          case 63 6.83-7.00 / 7.15, with padding 1 6.16 / 6.49, 16->128 3x3 on 8 x 512 x 512
-          0.807 / 0.857, but 16->64 there 0.682 / 0.543 and case 87 5.44 / 5.33; TF32 case 63
+        - acc2: a consumer keeps two sets of accumulators and issues its next tile's MMAs before
+          it stores this one (and, on paced strips, before it waits for its band). By default only
+          for 3xTF32 with its weights in registers (a_regs=1), 128 output channels a block, 64-column
+          tiles of rows wider than 64 and a kernel of several taps: there a tile's three-fold MMAs
+          run under the tile before it's epilogue. H100, same process (ms, acc2=1 / default, two to
+          four rounds): case 63 6.82-6.84 / 7.12-7.13, with padding 1 6.16 / 6.49; on 8 x 512 x 512,
+          padding 1: 16->128 3x3 0.818-0.857 / 0.882-0.891, 12->128 3x3 0.826-0.842 / 0.857-0.867,
+          16->96 3x3 0.832-0.840 / 0.851-0.867, 16->256 3x3 1.536-1.539 / 1.577-1.620; 24->128 3x1
+          0.643-0.702 / 0.693-0.750, 48->128 1x3 0.971-0.973 / 0.961-0.992 (even); 16->128 3x3 on
+          8 x 1000 x 1000 3.305-3.306 / 3.417-3.425; 16->192 3x3 on 32 x 256 x 256 1.535-1.564 /
+          1.625-1.632. Outside that rule it lost: 3xTF32 16->64 3x3 on 8 x 512 x 512 (64 channels,
+          128-column tiles) 0.682 / 0.543, 4->128 1x3 (128-column tiles) 0.633-0.635 / 0.579-0.581,
+          case 87 (one tap) 5.44 / 5.33; TF32 case 63
           4.25-4.65 / 4.30-4.40 (noise either way), with padding 1 3.84 / 3.79, 16->128 3x3 on 8 x
           1000 x 1000 2.10-2.26 / 2.22-2.29; bf16 case 63 2.97 / 2.85, with padding 1 3.14 / 2.75.
           The loop keeps each set in fixed registers by taking two tiles a turn, which doubles the
           epilogue's code (63 bf16's whole-line kernel: 9,472 SASS instructions against 5,056),
-          and the second set costs the producer registers. A tuner may force it.
+          and the second set costs the producer registers. A tuner may force it anywhere it fits.
         - overlap: never by default. It stages all of a tile's rows and stores them under the
           next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
           bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
@@ -448,6 +456,16 @@ class WgmmaFamily(Family):
             if (k_total >= 512 and cand["ws"] and cand["stage_out"] and "stage_out" not in (fixed or {})
                     and not self.layout(spec, cand)["RSTAGE"]):
                 continue  # long ws reductions: staged output measured only when staged in the ring
+            if (split and areg and bm == 128 and tqs == 64 and problem.Q > 64
+                    and spec.kernel_size[0] * spec.kernel_size[1] > 1
+                    and "acc2" not in (fixed or {})):
+                # 3xTF32 with its weights in registers, 128 channels over 64-column tiles of a kernel
+                # of several taps: the same tile with two accumulator sets, where they fit.
+                try:
+                    self.check_tiles(spec, {**cand, "acc2": 1})
+                    return {**cand, "acc2": 1}
+                except Unsupported:
+                    pass
             return cand
         raise Unsupported(f"wgmma: no tile configuration fits {spec.summary()}")
 
