@@ -301,6 +301,8 @@ def test_two_accumulator_sets_by_default_only_for_strict_128_channel_tiles_of_se
         assert dict(_choose(**CASES[case], **kw).tiles).get("acc2", 0) == 0, (case, kw)
     off = dict(_choose(**CASES["63"], family="wgmma", tiles={"acc2": 0}, **strict).tiles)
     assert off["acc2"] == 0 and {**off, "acc2": 1} == dict(_choose(**CASES["63"], **strict).tiles)
+    # The rule reads the tile as forced: weights forced out of registers keep one set.
+    assert dict(_choose(**CASES["63"], family="wgmma", tiles={"a_regs": 0}, **strict).tiles)["acc2"] == 0
     for kw in ({}, dict(dtype="bfloat16")):
         spec = _choose(**CASES["63"], family="wgmma", tiles={"acc2": 1}, **kw)
         lay = FAM.layout(spec)

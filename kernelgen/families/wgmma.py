@@ -201,11 +201,12 @@ class WgmmaFamily(Family):
             regs = acc + (0 if xasync else 4 * xpt) + (2 * xpt if wres else 0) + REG_OVERHEAD
             pregs = cregs = 0
         return {
-            "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "WS": ws, "NTP": ntp, "TP": tp, "TQ": tq, "CK": ck, "NCH": nch,
-            "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
+            "CPV": cpv, "BM": bm, "NWG": bm // 64, "NTH": nth, "WS": ws, "NTP": ntp, "TP": tp, "TQ": tq, "CK": ck,
+            "NCH": nch, "KR": kr, "RSTAGES": kh // kr, "SPT": spt, "MB": mb, "WRES": wres, "XR": xr, "XQ": xq,
             "XVEC": xvec, "WVEC": wvec, "NBUF": nbuf, "STAGE_OUT": bool(t.get("stage_out", 0)), "ESRS": esrs,
             "XASYNC": xasync, "XSETS": xsets, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush, "AREG": areg,
-            "EPI_BYTES": epi, "RSTAGE": rstage, "LINES": lines, "STRIP": strip, "ACC2": acc2, "SMEM_BYTES": smem, "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
+            "EPI_BYTES": epi, "RSTAGE": rstage, "LINES": lines, "STRIP": strip, "ACC2": acc2, "SMEM_BYTES": smem,
+            "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
             "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec + (4 * MAXPROG if strip else 0),
             "MAXPROG": MAXPROG,
             # per thread (ws with a register split: a consumer's, within CREGS)
@@ -364,7 +365,7 @@ class WgmmaFamily(Family):
           it stores this one (and, on paced strips, before it waits for its band). By default only
           for 3xTF32 with its weights in registers (a_regs=1), 128 output channels a block, 64-column
           tiles of rows wider than 64 and a kernel of several taps: there a tile's three-fold MMAs
-          run under the tile before it's epilogue. H100, same process (ms, acc2=1 / default, two to
+          run under the epilogue of the tile before it. H100, same process (ms, acc2=1 / default, two to
           four rounds): case 63 6.82-6.84 / 7.12-7.13, with padding 1 6.16 / 6.49; on 8 x 512 x 512,
           padding 1: 16->128 3x3 0.818-0.857 / 0.882-0.891, 12->128 3x3 0.826-0.842 / 0.857-0.867,
           16->96 3x3 0.832-0.840 / 0.851-0.867, 16->256 3x3 1.536-1.539 / 1.577-1.620; 24->128 3x1
@@ -456,9 +457,8 @@ class WgmmaFamily(Family):
             if (k_total >= 512 and cand["ws"] and cand["stage_out"] and "stage_out" not in (fixed or {})
                     and not self.layout(spec, cand)["RSTAGE"]):
                 continue  # long ws reductions: staged output measured only when staged in the ring
-            if (split and areg and bm == 128 and tqs == 64 and problem.Q > 64
-                    and spec.kernel_size[0] * spec.kernel_size[1] > 1
-                    and "acc2" not in (fixed or {})):
+            if (split and cand["a_regs"] and cand["block_m"] == 128 and cand["tile_q"] == 64 and problem.Q > 64
+                    and spec.kernel_size[0] * spec.kernel_size[1] > 1 and "acc2" not in (fixed or {})):
                 # 3xTF32 with its weights in registers, 128 channels over 64-column tiles of a kernel
                 # of several taps: the same tile with two accumulator sets, where they fit.
                 try:
