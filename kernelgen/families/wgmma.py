@@ -373,9 +373,9 @@ class WgmmaFamily(Family):
           8 x 1000 x 1000 3.305-3.306 / 3.417-3.425; 16->192 3x3 on 32 x 256 x 256 1.535-1.564 /
           1.625-1.632. Outside that rule it lost: 3xTF32 16->64 3x3 on 8 x 512 x 512 (64 channels,
           128-column tiles) 0.682 / 0.543, 4->128 1x3 (128-column tiles) 0.633-0.635 / 0.579-0.581,
-          case 87 (one tap) 5.44 / 5.33; TF32 case 63
-          4.25-4.65 / 4.30-4.40 (noise either way), with padding 1 3.84 / 3.79, 16->128 3x3 on 8 x
-          1000 x 1000 2.10-2.26 / 2.22-2.29; bf16 case 63 2.97 / 2.85, with padding 1 3.14 / 2.75.
+          case 87 (one tap) 5.44 / 5.33; TF32 case 63 4.25-4.65 / 4.30-4.40 (noise either way),
+          with padding 1 3.84 / 3.79, 16->128 3x3 on 8 x 1000 x 1000 2.10-2.26 / 2.22-2.29; bf16
+          case 63 2.97 / 2.85, with padding 1 3.14 / 2.75.
           The loop keeps each set in fixed registers by taking two tiles a turn, which doubles the
           epilogue's code (63 bf16's whole-line kernel: 9,472 SASS instructions against 5,056),
           and the second set costs the producer registers. A tuner may force it anywhere it fits.
