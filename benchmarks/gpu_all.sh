@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU host's one job: the GPU test tier, the examples and the benchmarks, with every
 # log and result under $OUT (or ./gpu-out when OUT is unset): env.txt, gpu_tests.log,
-# examples.log, benches.log and the benchmarks' JSON, seven files at most (the device hands
+# examples.log, benches.log and the benchmarks' JSON, eight files at most (the device hands
 # back eight).
 #
-#   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests examples bench ceiling machinery (default: all)
+#   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests examples bench layers ceiling machinery
+#                                            (default: all)
 #
 # The tier takes most of one device call (7-8 minutes of its 10 on the H100); `tests-sweep`
 # and `tests-rest` are its two halves for two calls (the sweep against float64, the rest).
@@ -13,7 +14,7 @@
 # machine reuses what the first compiled.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-stages=" ${*:-tests examples bench ceiling machinery} "
+stages=" ${*:-tests examples bench layers ceiling machinery} "
 want() { [[ $stages == *" $1 "* ]]; }
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
@@ -26,7 +27,7 @@ mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
 status=0
 # The logs the stages below append to start empty.
 if want examples; then : > "$out/examples.log"; fi
-if want bench || want ceiling || want machinery; then : > "$out/benches.log"; fi
+if want bench || want layers || want ceiling || want machinery; then : > "$out/benches.log"; fi
 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
   | tee "$out/env.txt"
@@ -50,6 +51,10 @@ if want examples; then
 fi
 if want bench; then
   python3 benchmarks/bench_cases.py --json "$out/bench_cases.json" 2>&1 | tee -a "$out/benches.log"
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want layers; then
+  python3 benchmarks/bench_layers.py --json "$out/bench_layers.json" 2>&1 | tee -a "$out/benches.log"
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if want ceiling; then

@@ -1,0 +1,236 @@
+"""Layers of real networks in every precision and both memory formats: kernelgen beside F.conv2d.
+
+The five KernelBench cases (bench_cases.py) are large, single layers. A network's layers are
+mostly small: 7x7 to 56x56 planes with hundreds of channels, strided 3x3s, 1x1 projections,
+depthwise and grouped convolutions, and, in mixed-precision training and inference, channels_last
+tensors. This script times kernelgen and F.conv2d on such layers in the same process (medians of
+CUDA-event-timed runs in alternating rounds, as bench_cases.py does), checks each output against
+float64 by the rules of ../shared/PERF.md, and prints one table with the family each call ran
+on, then a summary per precision and memory format: how many layers kernelgen wins, loses, and
+the geometric mean of the speedups.
+
+    python benchmarks/bench_layers.py [--layers r50.l1.3x3,...] [--precisions tf32,ieee,bf16]
+                                      [--formats nchw,cl] [--json out.json] [--list]
+
+`--list` prints the layers and needs no GPU. The kernels are compiled ahead of the timing, in
+parallel (`kernelgen.warm.warm_specs`), so the table does not wait on one compile at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kernelgen  # noqa: E402
+from bench_cases import paired_ms, rel_err, set_tf32, tf32_round  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    N: int
+    C: int
+    K: int
+    H: int
+    W: int
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+    groups: int = 1
+
+
+def _layers() -> dict[str, Layer]:
+    rows = [
+        # ResNet-50 at batch 32, 224 x 224 input: the bottleneck's 1x1s and 3x3 of each stage, and
+        # the strided 3x3 and 1x1 that open stages 2-4.
+        Layer("r50.l1.1x1.64-64", 32, 64, 64, 56, 56, 1),
+        Layer("r50.l1.3x3", 32, 64, 64, 56, 56, 3, padding=1),
+        Layer("r50.l1.1x1.64-256", 32, 64, 256, 56, 56, 1),
+        Layer("r50.l1.1x1.256-64", 32, 256, 64, 56, 56, 1),
+        Layer("r50.l2.3x3.s2", 32, 128, 128, 56, 56, 3, stride=2, padding=1),
+        Layer("r50.l2.down.s2", 32, 256, 512, 56, 56, 1, stride=2),
+        Layer("r50.l2.3x3", 32, 128, 128, 28, 28, 3, padding=1),
+        Layer("r50.l2.1x1.512-128", 32, 512, 128, 28, 28, 1),
+        Layer("r50.l3.3x3", 32, 256, 256, 14, 14, 3, padding=1),
+        Layer("r50.l3.1x1.256-1024", 32, 256, 1024, 14, 14, 1),
+        Layer("r50.l4.3x3", 32, 512, 512, 7, 7, 3, padding=1),
+        Layer("r50.l4.1x1.2048-512", 32, 2048, 512, 7, 7, 1),
+        # ResNeXt-50 32x4d: grouped 3x3s of 4 and 8 channels a group.
+        Layer("rx50.l1.g32", 32, 128, 128, 56, 56, 3, padding=1, groups=32),
+        Layer("rx50.l3.g32", 32, 512, 512, 14, 14, 3, padding=1, groups=32),
+        # MobileNetV2 at batch 32: depthwise 3x3s (stride 1 and 2) and the 1x1s around them.
+        Layer("mv2.dw32.112", 32, 32, 32, 112, 112, 3, padding=1, groups=32),
+        Layer("mv2.dw96.s2", 32, 96, 96, 112, 112, 3, stride=2, padding=1, groups=96),
+        Layer("mv2.dw144.56", 32, 144, 144, 56, 56, 3, padding=1, groups=144),
+        Layer("mv2.dw384.14", 32, 384, 384, 14, 14, 3, padding=1, groups=384),
+        Layer("mv2.dw960.7", 32, 960, 960, 7, 7, 3, padding=1, groups=960),
+        Layer("mv2.pw.24-144", 32, 24, 144, 56, 56, 1),
+        Layer("mv2.pw.144-24", 32, 144, 24, 56, 56, 1),
+        # VGG-16's widest planes at batch 8, and a U-Net-style 3x3 on 256 x 256.
+        Layer("vgg.3x3.64", 8, 64, 64, 224, 224, 3, padding=1),
+        Layer("vgg.3x3.256", 8, 256, 256, 56, 56, 3, padding=1),
+        Layer("unet.3x3.64", 4, 64, 64, 256, 256, 3, padding=1),
+    ]
+    return {layer.name: layer for layer in rows}
+
+
+LAYERS = _layers()
+PRECISIONS = ("tf32", "ieee", "bf16")
+FORMATS = ("nchw", "cl")
+
+
+def _tensors(layer: Layer, precision: str, fmt: str, device: str):
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    xshape = (layer.N, layer.C, layer.H, layer.W)
+    wshape = (layer.K, layer.C // layer.groups, layer.kernel, layer.kernel)
+    if device == "meta":  # planning only: shapes and strides
+        x, w = torch.empty(xshape, device=device, dtype=dtype), torch.empty(wshape, device=device, dtype=dtype)
+    else:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.rand(xshape, device=device, generator=g).to(dtype)
+        w = (torch.rand(wshape, device=device, generator=g) - 0.5).to(dtype)
+    if fmt == "cl":
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = w.contiguous(memory_format=torch.channels_last)
+    return x, w
+
+
+def _kwargs(layer: Layer) -> dict:
+    return dict(stride=layer.stride, padding=layer.padding, groups=layer.groups)
+
+
+def warm(layers, precisions, formats) -> None:
+    """Compile every kernel the table will call, in parallel, before any timing."""
+    from kernelgen.functional import spec_for
+    from kernelgen.warm import warm_specs
+
+    specs = set()
+    for layer in layers:
+        for precision in precisions:
+            for fmt in formats:
+                x, w = _tensors(layer, precision, fmt, "meta")
+                spec, _ = spec_for(x, w, None, **_kwargs(layer), device="cuda",
+                                   precision=None if precision == "bf16" else precision)
+                specs.add(spec)
+    results = warm_specs(sorted(specs, key=lambda s: s.to_json()), jobs=int(os.environ.get("KERNELGEN_JOBS", "0"))
+                         or os.cpu_count() or 1)
+    failed = [r.spec.summary() for r in results if r.status == "failed"]
+    print(f"# warmed {len(results)} kernels" + (f"; FAILED: {failed}" if failed else ""), flush=True)
+
+
+def run_layer(layer: Layer, precision: str, fmt: str) -> dict:
+    set_tf32(precision != "ieee")
+    x, w = _tensors(layer, precision, fmt, "cuda")
+    kw = _kwargs(layer)
+    pr = None if precision == "bf16" else precision
+    y = kernelgen.conv2d(x, w, precision=pr, **kw)
+    spec = kernelgen.functional.spec_for(x, w, None, precision=pr, **kw)[0]
+    finite = bool(torch.isfinite(y).all())
+    kg_ms, torch_ms = paired_ms(lambda: kernelgen.conv2d(x, w, precision=pr, **kw), lambda: F.conv2d(x, w, **kw))
+
+    n = min(layer.N, 2)
+    ref = F.conv2d(x[:n].double(), w.double(), **kw)
+    kg_err = rel_err(y[:n], ref)
+    torch_err = rel_err(F.conv2d(x[:n], w, **kw), ref)
+    if precision == "ieee":
+        bound, rule = 1e-5, "<= 1e-5"
+    elif precision == "tf32":
+        # cuDNN runs some layers in full float32 even with TF32 allowed (depthwise, small ones):
+        # then the bar is TF32's own error, the exact convolution of the TF32-rounded operands.
+        tf32_err = rel_err(F.conv2d(tf32_round(x[:n]).double(), tf32_round(w).double(), **kw), ref)
+        bound, rule = 1.5 * max(torch_err, tf32_err), "<= 1.5x TF32's"
+    else:
+        bound, rule = 1.5 * torch_err, "<= 1.5x F.conv2d's"
+    layout_ok = y.is_contiguous(memory_format=torch.channels_last if fmt == "cl" else torch.contiguous_format)
+    return dict(layer=layer.name, shape=asdict(layer), precision=precision, format=fmt, kernelgen_ms=kg_ms,
+                torch_ms=torch_ms, speedup=torch_ms / kg_ms, rel_err=kg_err, torch_rel_err=torch_err,
+                accuracy_rule=rule, accurate=finite and kg_err <= bound and layout_ok, family=spec.family,
+                layout=spec.layout, spec=spec.summary())
+
+
+def summary(rows: list[dict]) -> list[str]:
+    lines = ["| precision | format | layers | kernelgen faster | slower | geomean speedup | worst |",
+             "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["precision"], r["format"]) for r in rows if "error" not in r},
+                  key=lambda k: (PRECISIONS.index(k[0]), FORMATS.index(k[1])))
+    for precision, fmt in keys:
+        rs = [r for r in rows if r.get("precision") == precision and r.get("format") == fmt and "error" not in r]
+        faster = sum(r["speedup"] >= 1.0 for r in rs)
+        geo = math.exp(sum(math.log(r["speedup"]) for r in rs) / len(rs))
+        worst = min(rs, key=lambda r: r["speedup"])
+        lines.append(f"| {precision} | {fmt} | {len(rs)} | {faster} | {len(rs) - faster} | {geo:.2f}x | "
+                     f"{worst['layer']} {worst['speedup']:.2f}x ({worst['family']}) |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", default=",".join(LAYERS), help="comma-separated layer names (see --list)")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--formats", default=",".join(FORMATS), help="nchw, cl (channels_last) or both")
+    ap.add_argument("--json", help="write the results here as JSON")
+    ap.add_argument("--list", action="store_true", help="print the layers and exit")
+    args = ap.parse_args(argv)
+    try:
+        layers = [LAYERS[name] for name in args.layers.split(",")]
+    except KeyError as exc:
+        ap.error(f"unknown layer {exc}; --list shows them")
+    precisions = args.precisions.split(",")
+    formats = args.formats.split(",")
+    for value, allowed, what in ((precisions, PRECISIONS, "precision"), (formats, FORMATS, "format")):
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            ap.error(f"unknown {what} {bad}; choose from {list(allowed)}")
+    if args.list:
+        for layer in layers:
+            print(f"{layer.name:22} N={layer.N} {layer.C}->{layer.K} {layer.H}x{layer.W} {layer.kernel}x{layer.kernel}"
+                  f" stride {layer.stride} padding {layer.padding} groups {layer.groups}")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_layers.py needs a CUDA device (--list needs none)", file=sys.stderr)
+        return 2
+    print(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
+    warm(layers, precisions, formats)
+    rows = []
+    for layer in layers:
+        for precision in precisions:
+            for fmt in formats:
+                try:
+                    row = run_layer(layer, precision, fmt)
+                except Exception as exc:  # one broken layer must not hide the others' numbers
+                    row = dict(layer=layer.name, precision=precision, format=fmt,
+                               error=f"{type(exc).__name__}: {exc}"[:500])
+                rows.append(row)
+                torch.cuda.empty_cache()
+    set_tf32(True)
+    print("| layer | prec | fmt | kernelgen ms | F.conv2d ms | speedup | rel err (rule) | family |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['layer']} | {r['precision']} | {r['format']} | ERROR {r['error'][:200]} |")
+            continue
+        print(f"| {r['layer']} | {r['precision']} | {r['format']} | {r['kernelgen_ms']:.3f} | {r['torch_ms']:.3f} | "
+              f"{r['speedup']:.2f}x | {r['rel_err']:.2e} ({r['accuracy_rule']}: {'ok' if r['accurate'] else 'FAIL'})"
+              f" | {r['family']} |")
+    print()
+    print("\n".join(summary(rows)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                   rows=rows), indent=1))
+    bad = [r for r in rows if "error" in r or not r["accurate"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
