@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import kernelgen
 from kernelgen import dispatch
 from kernelgen.errors import Unsupported
+from kernelgen.families import get_family
 from kernelgen.functional import spec_for
 from kernelgen.spec import ConvSpec, Problem
 
@@ -52,7 +53,7 @@ class Case:
     bias: bool
     dtype: str
     precision: str | None
-    layout: str  # contiguous, channels_last, weight_channels_last, strided_view
+    layout: str  # contiguous, channels_last, weight_channels_last, strided_view, cl_offset
     H: int
     W: int
     family: str | None
@@ -547,12 +548,52 @@ def make_wide_tile_cases() -> list[Case]:
     return cases
 
 
+def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
+    """channels_last calls forced onto the `nhwc` family: every dtype and precision it serves,
+    groups, bias, strides, dilation, padding ('same' included), ragged tiles of pixels and
+    channels, forced tiles, and inputs whose data starts off a 16-byte boundary (`cl_offset`:
+    the kernel's element-wise input path)."""
+    rng = random.Random(seed)
+    fam = get_family("nhwc")
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        vec = 4 if dtype == "float32" else 8
+        groups = rng.choice([1, 1, 1, 2, 4])
+        C = groups * vec * rng.choice([1, 2, 3, 4, 8, 16])
+        K = groups * rng.choice([2, 8, 16, 30, 64, 96, 128, 192])
+        kernel = rng.choice([(1, 1), (1, 1), (3, 3), (3, 3), (5, 5), (3, 1), (1, 7), (2, 2), (7, 7)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
+        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
+        padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+        precision = rng.choice(["tf32", "ieee", None]) if dtype == "float32" else None
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
+        tiles = ()
+        if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
+            for _ in range(20):
+                pick = {name: rng.choice(values) for name, values in fam.tiles.items()}
+                probe = ConvSpec(C, K, kernel, stride, 0, dilation, groups, dtype, "cuda", False, "nhwc",
+                                 "tf32" if precision == "tf32" else "ieee", "nhwc", tuple(pick.items()))
+                try:
+                    fam.check(probe)
+                except Unsupported:
+                    continue
+                tiles = tuple(sorted(pick.items()))
+                break
+        cases.append(Case(6000 + idx, rng.choice([1, 2, 3, 5]), C, K, groups, kernel, stride, padding, dilation,
+                          rng.random() < 0.5, dtype, precision, rng.choice(["channels_last"] * 3 + ["cl_offset"]),
+                          H, W, "nhwc", tiles))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() if HOPPER else []) +
-         make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases())
+         make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
+         make_nhwc_cases(60))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -572,6 +613,10 @@ def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
     b = torch.randn(case.K, generator=g).to(device=device, dtype=dt) if case.bias else None
     if case.layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
+    if case.layout == "cl_offset":  # channels_last, its data one element past an aligned start
+        view = torch.empty(x.numel() + 1, device=device, dtype=dt)[1:].view(x.permute(0, 2, 3, 1).shape)
+        view = view.permute(0, 3, 1, 2)
+        x = view.copy_(x) if device != "meta" else view
     if case.layout == "weight_channels_last":
         w = w.contiguous(memory_format=torch.channels_last)
     return x, w, b

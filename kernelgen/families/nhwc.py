@@ -1,0 +1,139 @@
+"""`nhwc`: dense and grouped convolution of channels_last tensors on tensor cores (mma.sync).
+
+One implicit GEMM per group over the whole batch (templates/cuda/nhwc.cu.j2):
+D[pixel x COUT_G] = im2col[pixel x K] . W[K x COUT_G], with pixel = (n, p, q) running over every
+image, so small planes (ResNet's 7 x 7 and 14 x 14) fill whole tiles, and K = (r, s, channel).
+A pixel's channels are contiguous in channels_last, so each row of a k-tile (BK channels of one
+kernel tap) is one 16-byte-aligned run: cp.async copies it, zero-filled in the padding and past
+the group's channels. The weights are repacked per call into the workspace as
+[COUT][KH][KW][CIN_G]. Any stride, dilation and padding; float32 (TF32, or strict as 3xTF32),
+bfloat16 and float16.
+
+Tiles: `block_m` pixels x `block_n` output channels a block; `chunks` 16-byte chunks of
+channels a k-tile row (BK = chunks * 16 bytes of one tap's channels); `stages` k-tiles in the
+cp.async ring; `min_blocks` blocks an SM the launch bounds ask for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import Unsupported
+from .base import Family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+SMEM_LIMIT = 227 * 1024  # per block, opt-in (sm_80: 163 KB; layouts above it fail at launch there)
+SM_SMEM = 228 * 1024  # per SM (H100); each block also reserves 1 KB
+SMS = 132  # H100's SMs: the tile rule aims for two waves of blocks
+REG_OVERHEAD = 32  # addresses, loop state, bias and the loader's place in the reduction
+
+
+def _esize(spec: "ConvSpec") -> int:
+    return 4 if spec.dtype == "float32" else 2
+
+
+@dataclass(frozen=True)
+class NhwcFamily(Family):
+    def layout(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
+        """Compile-time constants of a tile choice (the template static_asserts the same)."""
+        bm, bn, kc, stages = tiles["block_m"], tiles["block_n"], tiles["chunks"], tiles["stages"]
+        wtm = 64 if bm >= 128 else 32
+        wtn = min(32, bn)
+        warps_m, warps_n = bm // wtm, bn // wtn
+        nth = 32 * warps_m * warps_n
+        mi, ni = wtm // 16, wtn // 8
+        strict = spec.dtype == "float32" and spec.math == "ieee"
+        # Registers a thread needs: accumulators (and 3xTF32's k-tile sums), the fragments of a
+        # k-step (3xTF32: their two halves), and four per input row it copies (image offset, row,
+        # column); ptxas measured 150-200 for 4-warp 128 x 64 tiles, which the estimate covers.
+        regs = (mi * ni * 4 + (mi * 4 + ni * 2)) * (2 if strict else 1) + 4 * (bm * kc // nth) + REG_OVERHEAD
+        return {"VEC": 16 // _esize(spec), "BM": bm, "BN": bn, "KC": kc, "STAGES": stages,
+                "WARPS_M_": warps_m, "WARPS_N_": warps_n, "NTH": nth,
+                "SMEM_BYTES": stages * (bm + bn) * kc * 16, "REGS": regs}
+
+    def check_shape(self, spec: "ConvSpec") -> None:
+        vec = 16 // _esize(spec)
+        if spec.cin_per_group % vec:
+            raise Unsupported(f"nhwc needs input channels per group in whole 16-byte chunks ({vec} for "
+                              f"{spec.dtype}), got {spec.cin_per_group}")
+        if spec.cout_per_group % 2:
+            raise Unsupported(f"nhwc writes pairs of output channels; got {spec.cout_per_group} per group")
+        if spec.groups > 65535:
+            raise Unsupported(f"nhwc launches one grid layer per group, at most 65535; got {spec.groups}")
+        self.check_tiles(spec, dict(spec.tiles))
+
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+        lay = self.layout(spec, tiles)
+        if lay["BM"] * lay["KC"] % lay["NTH"] or lay["NTH"] % lay["KC"]:
+            raise Unsupported(f"nhwc: {lay['NTH']} threads cannot share {lay['BM']} rows of {lay['KC']} chunks")
+        if lay["REGS"] * lay["NTH"] > 65536:
+            raise Unsupported(f"nhwc: {lay['NTH']} threads of ~{lay['REGS']} registers exceed the SM's 65536")
+        if lay["SMEM_BYTES"] > SMEM_LIMIT:
+            raise Unsupported(f"nhwc: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
+        """Tiles of 128 pixels x up to 128 channels, smaller while the grid is under two waves.
+
+        chunks: the fewest that still hold a tap's channels when those are few (16 float32
+        channels fill 4 chunks), else 8 (128 bytes a row); stages: the deepest ring that lets
+        two blocks share an SM. Strict float32 keeps 64-pixel tiles (its k-tile sums double
+        the accumulators).
+        """
+        esize = _esize(spec)
+        strict = spec.dtype == "float32" and spec.math == "ieee"
+        row_bytes = spec.cin_per_group * esize
+        kc = 8 if row_bytes >= 128 else 4 if row_bytes >= 64 else 2
+        cout = spec.cout_per_group
+        bn = 128 if cout >= 128 else 64 if cout > 32 else 32
+        bm = 64 if strict else 128
+        m = problem.N * problem.P * problem.Q
+
+        def blocks(bm_: int, bn_: int) -> int:
+            return -(-m // bm_) * -(-cout // bn_) * spec.groups
+
+        while blocks(bm, bn) < 2 * SMS and (bm > 64 or bn > 64):
+            if bm > 64:
+                bm //= 2
+            else:
+                bn //= 2
+        fixed = dict(fixed or {})
+        fitting, reasons = [], []
+        for kc_ in (kc, 4, 8):
+            for stages in (4, 3, 2):
+                cand = {"block_m": bm, "block_n": bn, "chunks": kc_, "stages": stages, **fixed}
+                try:
+                    self.check_tiles(spec, cand)
+                except Unsupported as exc:
+                    reasons.append(str(exc))
+                    continue
+                lay = self.layout(spec, cand)
+                two = 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and lay["REGS"] * lay["NTH"] * 2 <= 65536
+                fitting.append((cand, two))
+            if fitting:
+                break
+        for cand, two in sorted(fitting, key=lambda c: not c[1]):  # stable: deepest ring first
+            cand.setdefault("min_blocks", 2 if two else 1)
+            return cand
+        raise Unsupported(f"no tile configuration fits ({reasons[0]})")
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        ctx = dict(self.layout(spec, dict(spec.tiles)))
+        ctx.pop("REGS")
+        (kh, kw) = spec.kernel_size
+        ctx["MIN_BLOCKS"] = dict(spec.tiles)["min_blocks"]
+        ctx["WORKSPACE_BYTES"] = spec.out_channels * kh * kw * spec.cin_per_group * _esize(spec)
+        return ctx
+
+
+nhwc = NhwcFamily(
+    name="nhwc", device="cuda", template="cuda/nhwc.cu.j2", layouts=("nhwc",),
+    dtypes=("float32", "float16", "bfloat16"), tf32=True,
+    tiles={"block_m": (128, 64, 256), "block_n": (128, 64, 32), "chunks": (8, 4, 2), "stages": (3, 4, 2),
+           "min_blocks": (1, 2)},
+)
+
+FAMILIES = (nhwc,)

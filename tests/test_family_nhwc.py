@@ -1,0 +1,147 @@
+"""CPU-tier tests of the `nhwc` family (channels_last implicit GEMM on mma.sync): no GPU needed.
+
+What they cover: which calls the dispatcher sends to it (channels_last ones the tensor cores can
+take) and which it never does, that its refusals name the reason, that default and forced tiles
+fit and agree with the template's layout, and (with nvcc) that every dtype and precision lowers
+to tensor-core MMAs fed by cp.async, with no spills.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernelgen import dispatch
+from kernelgen.errors import ConvArgumentError, Unsupported
+from kernelgen.families import get_family
+from kernelgen.families.nhwc import SMEM_LIMIT
+from kernelgen.render import render
+from kernelgen.spec import ConvSpec, Problem
+from kernelgen.toolchain import CUDA_CFLAGS_BASE
+
+FAM = get_family("nhwc")
+
+
+def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, groups=1, channels_last=True,
+            family=None, tiles=None, arch="sm_90a"):
+    params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
+                  dilation=1, groups=groups, dtype=dtype, bias=False)
+    probe = ConvSpec(**params)
+    P, Q = probe.output_size(x[2], x[3])
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
+    return dispatch.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
+                           family=family, tiles=tiles)
+
+
+# ResNet-50's layers at batch 32 (benchmarks/bench_layers.py).
+R50 = {
+    "l1.3x3": dict(x=(32, 64, 56, 56), w=(64, 64, 3, 3), padding=1),
+    "l2.3x3.s2": dict(x=(32, 128, 56, 56), w=(128, 128, 3, 3), stride=2, padding=1),
+    "l2.down.s2": dict(x=(32, 256, 56, 56), w=(512, 256, 1, 1), stride=2),
+    "l4.3x3": dict(x=(32, 512, 7, 7), w=(512, 512, 3, 3), padding=1),
+    "l4.1x1": dict(x=(32, 2048, 7, 7), w=(512, 2048, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(R50))
+@pytest.mark.parametrize("dtype,math", [("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee"),
+                                        ("float16", "ieee")])
+def test_channels_last_layers_go_to_nhwc_and_nchw_ones_never(name, dtype, math):
+    spec = _choose(**R50[name], dtype=dtype, math=math)
+    assert spec.family == "nhwc" and spec.layout == "nhwc" and spec.math == math
+    assert _choose(**R50[name], dtype=dtype, math=math, channels_last=False).family != "nhwc"
+
+
+def test_what_it_cannot_take_stays_on_direct():
+    # depthwise (one channel a group), float32 channels in under a 16-byte chunk, bf16 under 8,
+    # an odd number of output channels a group, float64
+    assert _choose((8, 32, 28, 28), (32, 1, 3, 3), groups=32, padding=1).family == "direct"
+    assert _choose((8, 3, 224, 224), (64, 3, 7, 7), stride=2, padding=3).family == "direct"
+    assert _choose((8, 4, 28, 28), (64, 4, 3, 3), dtype="bfloat16").family == "direct"
+    assert _choose((8, 64, 28, 28), (63, 64, 3, 3)).family == "direct"
+    assert _choose((8, 64, 28, 28), (64, 64, 3, 3), dtype="float64", math="ieee").family == "direct"
+
+
+def test_refusals_say_why():
+    with pytest.raises(ConvArgumentError, match="16-byte chunks"):
+        _choose((8, 12, 28, 28), (64, 12, 3, 3), dtype="bfloat16", family="nhwc")
+    with pytest.raises(ConvArgumentError, match="pairs of output channels"):
+        _choose((8, 64, 28, 28), (63, 64, 3, 3), family="nhwc")
+    with pytest.raises(ConvArgumentError, match="takes layouts"):
+        _choose((8, 64, 28, 28), (64, 64, 3, 3), family="nhwc", channels_last=False)
+    with pytest.raises(ConvArgumentError, match="registers"):
+        _choose(**R50["l2.3x3.s2"], family="nhwc", tiles={"block_m": 256, "block_n": 128, "chunks": 8})
+    with pytest.raises(ConvArgumentError, match="cannot share"):
+        _choose(**R50["l1.3x3"], family="nhwc", tiles={"block_m": 64, "block_n": 128, "chunks": 2})
+
+
+@pytest.mark.parametrize("name", sorted(R50))
+@pytest.mark.parametrize("dtype,math", [("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")])
+def test_default_tiles_fit_and_fill_the_card(name, dtype, math):
+    spec = _choose(**R50[name], dtype=dtype, math=math)
+    t = dict(spec.tiles)
+    lay = FAM.layout(spec, t)
+    assert lay["SMEM_BYTES"] <= SMEM_LIMIT
+    assert lay["REGS"] * lay["NTH"] * t["min_blocks"] <= 65536
+    x, w = R50[name]["x"], R50[name]["w"]
+    P, Q = ConvSpec(x[1], w[0], w[2:], R50[name].get("stride", 1), R50[name].get("padding", 0)).output_size(x[2], x[3])
+    blocks = -(-x[0] * P * Q // t["block_m"]) * -(-w[0] // t["block_n"])
+    assert blocks >= 132 or (t["block_m"], t["block_n"]) == (64, 64)  # two waves, or the smallest tiles
+    if dtype == "float32" and math == "ieee":
+        assert t["block_m"] == 64  # room for the k-tile sums
+    # the template's context carries the same constants, and the workspace the repacked weights
+    ctx = spec.template_context()
+    assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["NTH"] == lay["NTH"]
+    assert ctx["WORKSPACE_BYTES"] == w[0] * w[1] * w[2] * w[3] * (4 if dtype == "float32" else 2)
+
+
+def test_few_channels_take_short_k_tiles():
+    # 16 float32 channels fill four 16-byte chunks; 8 bf16 channels one (the smallest k-tile is two)
+    assert dict(_choose((8, 16, 64, 64), (64, 16, 3, 3), padding=1).tiles)["chunks"] == 4
+    assert dict(_choose((8, 8, 64, 64), (64, 8, 3, 3), dtype="bfloat16", padding=1).tiles)["chunks"] == 2
+    assert dict(_choose(**R50["l1.3x3"]).tiles)["chunks"] == 8
+
+
+def test_forced_tiles_hold():
+    spec = _choose(**R50["l1.3x3"], family="nhwc", tiles={"block_m": 256, "block_n": 64, "stages": 2})
+    t = dict(spec.tiles)
+    assert (t["block_m"], t["block_n"], t["stages"]) == (256, 64, 2)
+    assert FAM.layout(spec, t)["NTH"] == 256
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.nvcc
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("name,dtype,math,bias,tiles", [
+    ("l1.3x3", "float32", "tf32", False, None), ("l1.3x3", "float32", "ieee", True, None),
+    ("l1.3x3", "bfloat16", "ieee", True, None), ("l2.down.s2", "float16", "ieee", False, None),
+    ("l4.3x3", "float32", "tf32", True, None), ("l2.3x3.s2", "bfloat16", "ieee", False, {"block_m": 256, "block_n": 64}),
+    ("l1.3x3", "float32", "tf32", False, {"block_m": 64, "block_n": 32, "stages": 2}),
+])
+def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bias, tiles, tmp_path):
+    spec = _choose(**R50[name], dtype=dtype, math=math, family="nhwc", tiles=tiles).replace(bias=bias)
+    src = tmp_path / "k.cu"
+    src.write_text(render(spec).cuda)
+    ptx = tmp_path / "k.ptx"
+    r = subprocess.run([NVCC, *CUDA_CFLAGS_BASE, "-arch=sm_90a", "-ptx", str(src), "-o", str(ptx)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = ptx.read_text()
+    shape = "m16n8k8.row.col.f32.tf32.tf32" if dtype == "float32" else "m16n8k16.row.col.f32." + (
+        "bf16.bf16" if dtype == "bfloat16" else "f16.f16")
+    assert f"mma.sync.aligned.{shape}.f32" in text
+    assert "cp.async.cg.shared.global" in text
+    assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
+    ptxas = shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = r.stdout + r.stderr
+    # three kernels: the repack and the main loop's two input paths, none spilling
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3, report
