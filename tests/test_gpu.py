@@ -812,9 +812,23 @@ MEMCHECK = textwrap.dedent("""
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
         kernelgen.conv2d(x, w, b, family=family, **kw)
+    def run_cl(dtype, x_shape, w_shape, offset, **kw):
+        # channels_last input, its data `offset` elements past an allocation's start
+        n, c, h, w_ = x_shape
+        x = torch.randn(n * h * w_ * c + offset, device="cuda", dtype=dtype)[offset:]
+        x = x.view(n, h, w_, c).permute(0, 3, 1, 2)
+        w = torch.randn(*w_shape, device="cuda", dtype=dtype)
+        b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
+        kernelgen.conv2d(x, w, b, family="nhwc", **kw)
     fams = all_families()
     for dtype in (torch.float32, torch.bfloat16):
         run("direct", dtype, (2, 8, 19, 24), (16, 4, 3, 5), groups=2, stride=2, padding=1)
+        if "nhwc" in fams:  # ragged pixel and channel tiles, both input paths, groups, 3xTF32
+            for offset in (0, 1):
+                run_cl(dtype, (3, 16, 11, 13), (30, 16, 3, 3), offset, padding=1, stride=(1, 2))
+                run_cl(dtype, (2, 32, 9, 10), (68, 16, 1, 1), offset, groups=2)
+            if dtype == torch.float32:
+                run_cl(dtype, (2, 24, 9, 10), (32, 24, 3, 3), 0, padding=(0, 2), precision="ieee")
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)
