@@ -23,7 +23,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -33,54 +33,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernelgen  # noqa: E402
-from bench_cases import paired_ms, rel_err, set_tf32, tf32_round  # noqa: E402
+from bench_cases import Case, paired_ms, rel_err, set_tf32, tf32_round  # noqa: E402
 
 
-@dataclass(frozen=True)
-class Layer:
-    name: str
-    N: int
-    C: int
-    K: int
-    H: int
-    W: int
-    kernel: int
-    stride: int = 1
-    padding: int = 0
-    groups: int = 1
+def _square(name: str, N: int, C: int, K: int, H: int, W: int, kernel: int, **kw) -> Case:
+    """A square-kernel layer, as bench_cases.py's Case (stride, padding, groups by keyword)."""
+    return Case(name, N, C, K, H, W, (kernel, kernel), **kw)
 
 
-def _layers() -> dict[str, Layer]:
+def _layers() -> dict[str, Case]:
     rows = [
         # ResNet-50 at batch 32, 224 x 224 input: the bottleneck's 1x1s and 3x3 of each stage, and
         # the strided 3x3 and 1x1 that open stages 2-4.
-        Layer("r50.l1.1x1.64-64", 32, 64, 64, 56, 56, 1),
-        Layer("r50.l1.3x3", 32, 64, 64, 56, 56, 3, padding=1),
-        Layer("r50.l1.1x1.64-256", 32, 64, 256, 56, 56, 1),
-        Layer("r50.l1.1x1.256-64", 32, 256, 64, 56, 56, 1),
-        Layer("r50.l2.3x3.s2", 32, 128, 128, 56, 56, 3, stride=2, padding=1),
-        Layer("r50.l2.down.s2", 32, 256, 512, 56, 56, 1, stride=2),
-        Layer("r50.l2.3x3", 32, 128, 128, 28, 28, 3, padding=1),
-        Layer("r50.l2.1x1.512-128", 32, 512, 128, 28, 28, 1),
-        Layer("r50.l3.3x3", 32, 256, 256, 14, 14, 3, padding=1),
-        Layer("r50.l3.1x1.256-1024", 32, 256, 1024, 14, 14, 1),
-        Layer("r50.l4.3x3", 32, 512, 512, 7, 7, 3, padding=1),
-        Layer("r50.l4.1x1.2048-512", 32, 2048, 512, 7, 7, 1),
+        _square("r50.l1.1x1.64-64", 32, 64, 64, 56, 56, 1),
+        _square("r50.l1.3x3", 32, 64, 64, 56, 56, 3, padding=1),
+        _square("r50.l1.1x1.64-256", 32, 64, 256, 56, 56, 1),
+        _square("r50.l1.1x1.256-64", 32, 256, 64, 56, 56, 1),
+        _square("r50.l2.3x3.s2", 32, 128, 128, 56, 56, 3, stride=2, padding=1),
+        _square("r50.l2.down.s2", 32, 256, 512, 56, 56, 1, stride=2),
+        _square("r50.l2.3x3", 32, 128, 128, 28, 28, 3, padding=1),
+        _square("r50.l2.1x1.512-128", 32, 512, 128, 28, 28, 1),
+        _square("r50.l3.3x3", 32, 256, 256, 14, 14, 3, padding=1),
+        _square("r50.l3.1x1.256-1024", 32, 256, 1024, 14, 14, 1),
+        _square("r50.l4.3x3", 32, 512, 512, 7, 7, 3, padding=1),
+        _square("r50.l4.1x1.2048-512", 32, 2048, 512, 7, 7, 1),
         # ResNeXt-50 32x4d: grouped 3x3s of 4 and 8 channels a group.
-        Layer("rx50.l1.g32", 32, 128, 128, 56, 56, 3, padding=1, groups=32),
-        Layer("rx50.l3.g32", 32, 512, 512, 14, 14, 3, padding=1, groups=32),
+        _square("rx50.l1.g32", 32, 128, 128, 56, 56, 3, padding=1, groups=32),
+        _square("rx50.l3.g32", 32, 512, 512, 14, 14, 3, padding=1, groups=32),
         # MobileNetV2 at batch 32: depthwise 3x3s (stride 1 and 2) and the 1x1s around them.
-        Layer("mv2.dw32.112", 32, 32, 32, 112, 112, 3, padding=1, groups=32),
-        Layer("mv2.dw96.s2", 32, 96, 96, 112, 112, 3, stride=2, padding=1, groups=96),
-        Layer("mv2.dw144.56", 32, 144, 144, 56, 56, 3, padding=1, groups=144),
-        Layer("mv2.dw384.14", 32, 384, 384, 14, 14, 3, padding=1, groups=384),
-        Layer("mv2.dw960.7", 32, 960, 960, 7, 7, 3, padding=1, groups=960),
-        Layer("mv2.pw.24-144", 32, 24, 144, 56, 56, 1),
-        Layer("mv2.pw.144-24", 32, 144, 24, 56, 56, 1),
+        _square("mv2.dw32.112", 32, 32, 32, 112, 112, 3, padding=1, groups=32),
+        _square("mv2.dw96.s2", 32, 96, 96, 112, 112, 3, stride=2, padding=1, groups=96),
+        _square("mv2.dw144.56", 32, 144, 144, 56, 56, 3, padding=1, groups=144),
+        _square("mv2.dw384.14", 32, 384, 384, 14, 14, 3, padding=1, groups=384),
+        _square("mv2.dw960.7", 32, 960, 960, 7, 7, 3, padding=1, groups=960),
+        _square("mv2.pw.24-144", 32, 24, 144, 56, 56, 1),
+        _square("mv2.pw.144-24", 32, 144, 24, 56, 56, 1),
         # VGG-16's widest planes at batch 8, and a U-Net-style 3x3 on 256 x 256.
-        Layer("vgg.3x3.64", 8, 64, 64, 224, 224, 3, padding=1),
-        Layer("vgg.3x3.256", 8, 256, 256, 56, 56, 3, padding=1),
-        Layer("unet.3x3.64", 4, 64, 64, 256, 256, 3, padding=1),
+        _square("vgg.3x3.64", 8, 64, 64, 224, 224, 3, padding=1),
+        _square("vgg.3x3.256", 8, 256, 256, 56, 56, 3, padding=1),
+        _square("unet.3x3.64", 4, 64, 64, 256, 256, 3, padding=1),
     ]
     return {layer.name: layer for layer in rows}
 
@@ -90,10 +81,10 @@ PRECISIONS = ("tf32", "ieee", "bf16")
 FORMATS = ("nchw", "cl")
 
 
-def _tensors(layer: Layer, precision: str, fmt: str, device: str):
+def _tensors(layer: Case, precision: str, fmt: str, device: str):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     xshape = (layer.N, layer.C, layer.H, layer.W)
-    wshape = (layer.K, layer.C // layer.groups, layer.kernel, layer.kernel)
+    wshape = (layer.K, layer.C // layer.groups, *layer.kernel)
     if device == "meta":  # planning only: shapes and strides
         x, w = torch.empty(xshape, device=device, dtype=dtype), torch.empty(wshape, device=device, dtype=dtype)
     else:
@@ -106,7 +97,7 @@ def _tensors(layer: Layer, precision: str, fmt: str, device: str):
     return x, w
 
 
-def _kwargs(layer: Layer) -> dict:
+def _kwargs(layer: Case) -> dict:
     return dict(stride=layer.stride, padding=layer.padding, groups=layer.groups)
 
 
@@ -129,7 +120,7 @@ def warm(layers, precisions, formats) -> None:
     print(f"# warmed {len(results)} kernels" + (f"; FAILED: {failed}" if failed else ""), flush=True)
 
 
-def run_layer(layer: Layer, precision: str, fmt: str) -> dict:
+def run_layer(layer: Case, precision: str, fmt: str) -> dict:
     set_tf32(precision != "ieee")
     x, w = _tensors(layer, precision, fmt, "cuda")
     kw = _kwargs(layer)
@@ -194,7 +185,7 @@ def main(argv=None) -> int:
             ap.error(f"unknown {what} {bad}; choose from {list(allowed)}")
     if args.list:
         for layer in layers:
-            print(f"{layer.name:22} N={layer.N} {layer.C}->{layer.K} {layer.H}x{layer.W} {layer.kernel}x{layer.kernel}"
+            print(f"{layer.name:22} N={layer.N} {layer.C}->{layer.K} {layer.H}x{layer.W} {layer.kernel[0]}x{layer.kernel[1]}"
                   f" stride {layer.stride} padding {layer.padding} groups {layer.groups}")
         return 0
     if not torch.cuda.is_available():

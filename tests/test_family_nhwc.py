@@ -8,9 +8,6 @@ to tensor-core MMAs fed by cp.async, with no spills.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +15,8 @@ from kernelgen import dispatch
 from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
 from kernelgen.families.nhwc import SMEM_LIMIT
-from kernelgen.render import render
 from kernelgen.spec import ConvSpec, Problem
-from kernelgen.toolchain import CUDA_CFLAGS_BASE
+from lowering import NVCC, lower
 
 FAM = get_family("nhwc")
 
@@ -112,7 +108,6 @@ def test_forced_tiles_hold():
     assert FAM.layout(spec, t)["NTH"] == 256
 
 
-NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.nvcc
@@ -126,22 +121,11 @@ NVCC = shutil.which("nvcc")
 ])
 def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bias, tiles, tmp_path):
     spec = _choose(**R50[name], dtype=dtype, math=math, family="nhwc", tiles=tiles).replace(bias=bias)
-    src = tmp_path / "k.cu"
-    src.write_text(render(spec).cuda)
-    ptx = tmp_path / "k.ptx"
-    r = subprocess.run([NVCC, *CUDA_CFLAGS_BASE, "-arch=sm_90a", "-ptx", str(src), "-o", str(ptx)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    text = ptx.read_text()
+    text, report = lower(spec, tmp_path)
     shape = "m16n8k8.row.col.f32.tf32.tf32" if dtype == "float32" else "m16n8k16.row.col.f32." + (
         "bf16.bf16" if dtype == "bfloat16" else "f16.f16")
     assert f"mma.sync.aligned.{shape}.f32" in text
     assert "cp.async.cg.shared.global" in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
-    ptxas = shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = r.stdout + r.stderr
     # three kernels: the repack and the main loop's two input paths, none spilling
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3, report

@@ -8,9 +8,6 @@ that the rendered CUDA lowers to wgmma.mma_async with no spills and no serialise
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +15,8 @@ from kernelgen import dispatch
 from kernelgen.errors import Unsupported
 from kernelgen.families import get_family
 from kernelgen.families.wgmma import FLUSH_K, SMEM_LIMIT
-from kernelgen.render import render
 from kernelgen.spec import ConvSpec, Problem
-from kernelgen.toolchain import CUDA_CFLAGS_BASE
+from lowering import NVCC, lower
 
 FAM = get_family("wgmma")
 
@@ -442,7 +438,6 @@ def test_a_register_split_only_ever_moves_registers_from_the_producer():
         FAM.check_tiles(spec, big)
 
 
-NVCC = shutil.which("nvcc")
 WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "float16": "k16.f32.f16.f16"}
 
 
@@ -461,20 +456,9 @@ def test_lowers_to_wgmma_without_spills(case, dtype, tiles, tmp_path):
     math = "ieee" if dtype == "ieee" else "tf32"  # "ieee": strict float32, 3xTF32
     dtype = "float32" if dtype == "ieee" else dtype
     spec = _choose(**CASES[case], dtype=dtype, math=math, family="wgmma", **({"tiles": tiles} if tiles else {}))
-    src = tmp_path / "k.cu"
-    src.write_text(render(spec).cuda)
-    ptx = tmp_path / "k.ptx"
-    r = subprocess.run([NVCC, *CUDA_CFLAGS_BASE, "-arch=sm_90a", "-ptx", str(src), "-o", str(ptx)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    text = ptx.read_text()
+    text, report = lower(spec, tmp_path)
     tq = dict(spec.tiles)["tile_q"]
     assert f"wgmma.mma_async.sync.aligned.m64n{tq}{WG_TYPE[dtype]}" in text
-    ptxas = shutil.which("ptxas") or str(Path(NVCC).resolve().parent / "ptxas")
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = r.stdout + r.stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in report and " bytes spill stores" not in \
         report.replace("0 bytes spill stores", ""), report
     # No wgmma waits of ptxas's own (C7517: registers of an MMA in flight read before its wait),

@@ -102,7 +102,7 @@ class NhwcFamily(Family):
                 bn //= 2
         fixed = dict(fixed or {})
         fitting, reasons = [], []
-        for kc_ in (kc, 4, 8):
+        for kc_ in dict.fromkeys((kc, 4, 8)):  # the preferred chunk count, then the others once
             for stages in (4, 3, 2):
                 cand = {"block_m": bm, "block_n": bn, "chunks": kc_, "stages": stages, **fixed}
                 try:
