@@ -4,7 +4,24 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
 
 1. depthwise: groups == in_channels (any channel multiplier). A bandwidth-bound
    stencil; the tensor-core GEMMs would run at K = kh*kw, far too thin to pay.
-2. wgmma (sm_90a only): float32 (TF32, or strict as 3xTF32), bf16 and fp16, column
+2. nhwc: channels_last calls (the families below take NCHW only) whose channels per group
+   fill whole 16-byte chunks (4 float32, 8 bf16/fp16) into an even number of output channels
+   a group: one implicit GEMM over the whole batch on tensor cores. H100, batch 32, ms (nhwc /
+   direct / F.conv2d on channels_last): ResNet-50's 64->64 3x3 on 56 x 56 TF32 0.122 / 0.814 /
+   0.065, strict 0.239 / 0.808 / 0.357, bf16 0.082 / 0.784 / 0.051; 256->512 1x1 stride 2 TF32
+   0.108 / 10.1 / 0.058 (benchmarks/bench_layers.py).
+   Also NCHW calls of dense layers (groups == 1) whose output planes are at most 32 x 32
+   pixels: the input is transposed into the workspace and the output written in NCHW. The
+   NCHW families tile each image apart, so a 7 x 7 or 14 x 14 plane leaves their tiles mostly
+   empty; the batch-wide GEMM fills them. H100, ResNet-50 at batch 32, ms (nhwc / the NCHW
+   family it replaced / F.conv2d): 512->512 3x3 on 7 x 7 TF32 0.174 / 0.622 (wgmma) / 0.092,
+   strict 0.309 / 0.870 / 0.377, bf16 0.105 / 0.348 / 0.072; 128->128 3x3 stride 2 from
+   56 x 56 TF32 0.152 / 0.260 (igemm) / 0.114, strict 0.269 / 1.162 / 0.277; 256->512 1x1
+   stride 2 TF32 0.197 / 0.613 / 0.158; 512->128 1x1 on 28 x 28 TF32 0.109 / 0.200 / 0.057.
+   On 56 x 56 planes the NCHW families keep them: 64->64 3x3 TF32 wgmma 0.113 against nhwc's
+   0.143 on channels_last before any transpose; grouped layers keep igemm (ResNeXt's 32
+   groups of 16 on 14 x 14: 0.080 against 0.082 before the transpose).
+3. wgmma (sm_90a only): float32 (TF32, or strict as 3xTF32), bf16 and fp16, column
    stride 1, at least 64 output channels per group, one full wgmma k-step of input
    channels per group (8 float32, 16 bf16/fp16) and a reduction CIN_G*KH*KW >= 128
    (>= 64 for strict float32): Hopper's warpgroup MMA reads both operands from shared
@@ -17,18 +34,12 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    group are whole k-steps (8, 16, ...). Also float32 layers of 16-63 output channels per
    group from whole k-steps of input channels and reductions of 256 or more (128 strict),
    on such rows.
-3. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
+4. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
-4. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
+5. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
    reduction (CIN_G*KH*KW) is long enough to feed tensor cores. Below 4 channels too
    for TF32 and 16-bit, and for strict float32 (3xTF32) with at most 9 kernel taps or
    with its taps packed into the reduction (pack_k: stems such as 3->64 7x7 stride 2).
-5. nhwc: channels_last calls (the families above take NCHW only) whose channels per group
-   fill whole 16-byte chunks (4 float32, 8 bf16/fp16) into an even number of output channels
-   a group: one implicit GEMM over the whole batch on tensor cores. H100, batch 32, ms (nhwc /
-   direct / F.conv2d on channels_last): ResNet-50's 64->64 3x3 on 56 x 56 TF32 0.122 / 0.814 /
-   0.065, strict 0.239 / 0.808 / 0.357, bf16 0.082 / 0.784 / 0.051; 256->512 1x1 stride 2 TF32
-   0.108 / 10.1 / 0.058 (benchmarks/bench_layers.py).
 6. direct: everything else (tiny channel counts, float64, channels_last depthwise, strided
    layouts the fast families do not take). It honours arbitrary strides, so it never copies.
 
@@ -36,7 +47,8 @@ Layout: the output's memory format follows F.conv2d (channels_last if the input 
 the weight is). Families take 'nchw', 'nhwc' or 'any'; a family that needs a dense
 layout gets the input made contiguous in it (one copy when it is not already) and
 writes the output in that same layout. A family is only chosen when its layout is
-the output's layout, or when it is 'any'.
+the output's layout, or when it is 'any'. (nhwc takes both: for 'nchw' it transposes the
+input itself, into its workspace, and writes NCHW.)
 
 CPU: the one CPU family.
 
@@ -52,7 +64,7 @@ from .errors import ConvArgumentError, Unsupported
 from .families import get_family
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise", "wgmma", "pointwise", "igemm", "nhwc", "direct")
+CUDA_ORDER = ("depthwise", "nhwc", "wgmma", "pointwise", "igemm", "direct")
 CPU_ORDER = ("cpu_direct",)
 
 
@@ -111,6 +123,11 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem) -> bool:
     """The size thresholds from the module docstring (correctness is the family's check)."""
     kh, kw = spec.kernel_size
     strict = spec.dtype == "float32" and spec.math == "ieee"
+    if name == "nhwc":
+        # channels_last calls: always (the NCHW families do not take them). NCHW calls: dense
+        # layers with output planes of at most 32 x 32, where the per-image tiles of the NCHW
+        # families run part empty and the batch-wide GEMM pays for its input transpose.
+        return spec.layout == "nhwc" or (spec.groups == 1 and problem.P * problem.Q <= 1024)
     if name == "pointwise":
         return spec.cin_per_group >= 8
     if name == "igemm":

@@ -306,7 +306,8 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     ys = (_channels_last_strides if channels_last else _contiguous_strides)((N, K, P, Q))
     dev = input.device.index if input.is_cuda else -1
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, weight.is_contiguous(),
-                bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, dev), key, workspace_bytes(key))
+                bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, dev), key,
+                workspace_bytes(key, input.numel()))
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

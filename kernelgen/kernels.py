@@ -26,7 +26,9 @@ log = logging.getLogger("kernelgen")
 _lock = threading.RLock()
 _memo: dict[tuple["ConvSpec", "Toolchain"], tuple[Launch, str]] = {}
 _by_key: dict[str, Launch] = {}
-_workspace: dict[str, int] = {}  # key -> bytes of device scratch its launch takes (KG_WORKSPACE)
+# key -> (KG_WORKSPACE, KG_WORKSPACE_PER_INPUT): device scratch its launch takes, in bytes, and
+# bytes more for each input element
+_workspace: dict[str, tuple[int, int]] = {}
 _caches: dict[str, "Cache"] = {}
 _stats: Counter = Counter()
 
@@ -61,7 +63,7 @@ def load_kernel(spec: "ConvSpec", toolchain: "Toolchain", cache: "Cache | None" 
                 _stats["cache_hits"] += 1
             hit = _memo[memo_key] = (module.launch, key)
             _by_key.setdefault(key, module.launch)
-            _workspace[key] = int(getattr(module, "KG_WORKSPACE", 0))
+            _workspace[key] = _workspace_of(module)
     return hit
 
 
@@ -90,13 +92,19 @@ def load_entry(key: str, cache: "Cache | None" = None, expect: dict | None = Non
                 return None
             _stats["cache_hits"] += 1
             _by_key[key] = fn
-            _workspace[key] = int(getattr(module, "KG_WORKSPACE", 0))
+            _workspace[key] = _workspace_of(module)
     return fn
 
 
-def workspace_bytes(key: str) -> int:
-    """Bytes of device scratch memory the loaded kernel `key` takes per launch (0: none)."""
-    return _workspace.get(key, 0)
+def _workspace_of(module) -> tuple[int, int]:
+    return int(getattr(module, "KG_WORKSPACE", 0)), int(getattr(module, "KG_WORKSPACE_PER_INPUT", 0))
+
+
+def workspace_bytes(key: str, input_numel: int) -> int:
+    """Bytes of device scratch memory the loaded kernel `key` takes to launch on an input of
+    `input_numel` elements (0: none)."""
+    fixed, per_input = _workspace.get(key, (0, 0))
+    return fixed + per_input * input_numel
 
 
 def count(name: str, n: int = 1) -> None:

@@ -247,7 +247,8 @@ class ConvSpec:
             "KH": kh, "KW": kw, "SH": sh, "SW": sw, "DH": dh, "DW": dw,
             "PH": self.padding[0], "PW": self.padding[2],
             "HAS_BIAS": self.bias, "LAYOUT": self.layout,
-            "WORKSPACE_BYTES": 0,  # a family that needs device scratch memory says how much
+            "WORKSPACE_BYTES": 0,  # a family that needs device scratch memory says how much,
+            "WORKSPACE_PER_INPUT": 0,  # and how many bytes more for each element of the input
         }
         ctx.update({name.upper(): value for name, value in self.tiles})
         ctx.update(get_family(self.family).context(self))

@@ -42,13 +42,30 @@ R50 = {
 }
 
 
+SMALL_PLANES = ("l2.3x3.s2", "l2.down.s2", "l4.3x3", "l4.1x1")  # output planes of 28 x 28 and 7 x 7
+
+
 @pytest.mark.parametrize("name", sorted(R50))
 @pytest.mark.parametrize("dtype,math", [("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee"),
                                         ("float16", "ieee")])
-def test_channels_last_layers_go_to_nhwc_and_nchw_ones_never(name, dtype, math):
+def test_channels_last_layers_go_to_nhwc_and_nchw_ones_on_small_planes(name, dtype, math):
     spec = _choose(**R50[name], dtype=dtype, math=math)
     assert spec.family == "nhwc" and spec.layout == "nhwc" and spec.math == math
-    assert _choose(**R50[name], dtype=dtype, math=math, channels_last=False).family != "nhwc"
+    nchw = _choose(**R50[name], dtype=dtype, math=math, channels_last=False)
+    if name in SMALL_PLANES:
+        assert nchw.family == "nhwc" and nchw.layout == "nchw" and nchw.math == math
+    else:  # 56 x 56: the NCHW families' per-image tiles are full, and no transpose to pay
+        assert nchw.family == "wgmma" and nchw.layout == "nchw"
+
+
+def test_nchw_calls_keep_their_families_where_grouped_or_large():
+    # grouped (ResNeXt's 32 groups on 14 x 14), a plane just over 32 x 32, and the five cases' planes
+    assert _choose((32, 512, 14, 14), (512, 16, 3, 3), groups=32, padding=1, channels_last=False).family == "igemm"
+    assert _choose((8, 128, 33, 32), (128, 128, 3, 3), padding=1, channels_last=False).family == "wgmma"
+    assert _choose((8, 128, 32, 32), (128, 128, 3, 3), padding=1, channels_last=False).family == "nhwc"
+    assert _choose((16, 64, 1024, 1024), (128, 64, 1, 1), channels_last=False).family == "pointwise"
+    # too few channels for a 16-byte chunk: the NCHW families, as before
+    assert _choose((32, 3, 14, 14), (64, 3, 3, 3), padding=1, channels_last=False).family != "nhwc"
 
 
 def test_what_it_cannot_take_stays_on_direct():
@@ -66,8 +83,6 @@ def test_refusals_say_why():
         _choose((8, 12, 28, 28), (64, 12, 3, 3), dtype="bfloat16", family="nhwc")
     with pytest.raises(ConvArgumentError, match="pairs of output channels"):
         _choose((8, 64, 28, 28), (63, 64, 3, 3), family="nhwc")
-    with pytest.raises(ConvArgumentError, match="takes layouts"):
-        _choose((8, 64, 28, 28), (64, 64, 3, 3), family="nhwc", channels_last=False)
     with pytest.raises(ConvArgumentError, match="registers"):
         _choose(**R50["l2.3x3.s2"], family="nhwc", tiles={"block_m": 256, "block_n": 128, "chunks": 8})
     with pytest.raises(ConvArgumentError, match="cannot share"):
@@ -91,7 +106,12 @@ def test_default_tiles_fit_and_fill_the_card(name, dtype, math):
     # the template's context carries the same constants, and the workspace the repacked weights
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["NTH"] == lay["NTH"]
-    assert ctx["WORKSPACE_BYTES"] == w[0] * w[1] * w[2] * w[3] * (4 if dtype == "float32" else 2)
+    esize = 4 if dtype == "float32" else 2
+    assert ctx["WORKSPACE_BYTES"] == w[0] * w[1] * w[2] * w[3] * esize and ctx["WORKSPACE_PER_INPUT"] == 0
+    if name in SMALL_PLANES:  # NCHW: the weights, then the transposed input from a 256-byte boundary
+        ctx = _choose(**R50[name], dtype=dtype, math=math, channels_last=False).template_context()
+        assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-w[0] * w[1] * w[2] * w[3] * esize // 256) * 256
+        assert ctx["WORKSPACE_PER_INPUT"] == esize
 
 
 def test_few_channels_take_short_k_tiles():
@@ -113,19 +133,26 @@ def test_forced_tiles_hold():
 @pytest.mark.nvcc
 @pytest.mark.compile
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("name,dtype,math,bias,tiles", [
-    ("l1.3x3", "float32", "tf32", False, None), ("l1.3x3", "float32", "ieee", True, None),
-    ("l1.3x3", "bfloat16", "ieee", True, None), ("l2.down.s2", "float16", "ieee", False, None),
-    ("l4.3x3", "float32", "tf32", True, None), ("l2.3x3.s2", "bfloat16", "ieee", False, {"block_m": 256, "block_n": 64}),
-    ("l1.3x3", "float32", "tf32", False, {"block_m": 64, "block_n": 32, "stages": 2}),
+@pytest.mark.parametrize("name,dtype,math,bias,tiles,cl", [
+    ("l1.3x3", "float32", "tf32", False, None, True), ("l1.3x3", "float32", "ieee", True, None, True),
+    ("l1.3x3", "bfloat16", "ieee", True, None, True), ("l2.down.s2", "float16", "ieee", False, None, True),
+    ("l4.3x3", "float32", "tf32", True, None, True),
+    ("l2.3x3.s2", "bfloat16", "ieee", False, {"block_m": 256, "block_n": 64}, True),
+    ("l1.3x3", "float32", "tf32", False, {"block_m": 64, "block_n": 32, "stages": 2}, True),
+    # NCHW calls: the input transpose and the NCHW epilogue
+    ("l4.3x3", "float32", "tf32", True, None, False), ("l4.1x1", "float32", "ieee", False, None, False),
+    ("l2.3x3.s2", "bfloat16", "ieee", True, None, False), ("l2.down.s2", "float16", "ieee", False, None, False),
 ])
-def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bias, tiles, tmp_path):
-    spec = _choose(**R50[name], dtype=dtype, math=math, family="nhwc", tiles=tiles).replace(bias=bias)
+def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bias, tiles, cl, tmp_path):
+    spec = _choose(**R50[name], dtype=dtype, math=math, family="nhwc", tiles=tiles, channels_last=cl)
+    spec = spec.replace(bias=bias)
+    assert spec.layout == ("nhwc" if cl else "nchw")
     text, report = lower(spec, tmp_path)
     shape = "m16n8k8.row.col.f32.tf32.tf32" if dtype == "float32" else "m16n8k16.row.col.f32." + (
         "bf16.bf16" if dtype == "bfloat16" else "f16.f16")
     assert f"mma.sync.aligned.{shape}.f32" in text
     assert "cp.async.cg.shared.global" in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
-    # three kernels: the repack and the main loop's two input paths, none spilling
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3, report
+    # the repack, the main loop's two input paths and (NCHW) the input transpose, none spilling
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == (3 if cl else 4), report
+    assert ("kg_nhwc_transpose" in text) == (not cl)

@@ -525,9 +525,9 @@ def make_acc2_cases() -> list[Case]:
     for idx, (N, C, K, kernel, padding, layout, H, W) in enumerate([
             (2, 16, 128, (3, 3), 1, "contiguous", 11, 130),
             (1, 12, 256, (3, 3), 0, "strided_view", 9, 203),
-            (0, 24, 96, (3, 1), 0, "contiguous", 8, 150),
-            (2, 48, 128, (1, 3), (0, 1), "contiguous", 7, 141),
-            (3, 16, 192, (3, 3), 1, "strided_view", 6, 97)]):
+            (0, 24, 96, (3, 1), 0, "contiguous", 10, 150),
+            (2, 48, 128, (1, 3), (0, 1), "contiguous", 8, 141),
+            (3, 16, 192, (3, 3), 1, "strided_view", 11, 97)]):  # planes over 32 x 32 (else nhwc's)
         default.append(Case(5060 + idx, N, C, K, 1, kernel, (1, 1), padding, (1, 1), idx % 2 == 0, "float32", "ieee",
                             layout, H, W, None))
     for c in default:
@@ -587,13 +587,22 @@ def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
     return cases
 
 
+def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
+    """NCHW calls forced onto the `nhwc` family (its input transposed into the workspace, its
+    output written in NCHW): make_nhwc_cases' shapes from another seed, on contiguous inputs and
+    strided views."""
+    rng = random.Random(seed)
+    return [replace(c, idx=6100 + i, layout=rng.choice(["contiguous", "strided_view"]))
+            for i, c in enumerate(make_nhwc_cases(n, seed))]
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
-         make_nhwc_cases(60))
+         make_nhwc_cases(60) + make_nhwc_nchw_cases(30))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -829,6 +838,9 @@ MEMCHECK = textwrap.dedent("""
                 run_cl(dtype, (2, 32, 9, 10), (68, 16, 1, 1), offset, groups=2)
             if dtype == torch.float32:
                 run_cl(dtype, (2, 24, 9, 10), (32, 24, 3, 3), 0, padding=(0, 2), precision="ieee")
+            # NCHW: the input transpose (ragged tiles of channels and pixels) and the NCHW epilogue
+            run("nhwc", dtype, (3, 40, 9, 12), (34, 40, 3, 3), padding=1)
+            run("nhwc", dtype, (2, 16, 7, 8), (64, 8, 1, 1), groups=2, stride=2)
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)

@@ -1,4 +1,5 @@
-"""`nhwc`: dense and grouped convolution of channels_last tensors on tensor cores (mma.sync).
+"""`nhwc`: dense and grouped convolution as one GEMM over the batch on tensor cores (mma.sync):
+channels_last calls, and NCHW calls on small planes.
 
 One implicit GEMM per group over the whole batch (templates/cuda/nhwc.cu.j2):
 D[pixel x COUT_G] = im2col[pixel x K] . W[K x COUT_G], with pixel = (n, p, q) running over every
@@ -8,6 +9,11 @@ kernel tap) is one 16-byte-aligned run: cp.async copies it, zero-filled in the p
 the group's channels. The weights are repacked per call into the workspace as
 [COUT][KH][KW][CIN_G]. Any stride, dilation and padding; float32 (TF32, or strict as 3xTF32),
 bfloat16 and float16.
+
+NCHW calls (layout 'nchw'; the dispatcher sends small planes here, see dispatch.py) take one
+more pass: the input is transposed into the workspace as dense NHWC, after the weights, and the
+epilogue writes NCHW output directly. The workspace then grows with the input
+(KG_WORKSPACE_PER_INPUT bytes an input element).
 
 Tiles: `block_m` pixels x `block_n` output channels a block; `chunks` 16-byte chunks of
 channels a k-tile row (BK = chunks * 16 bytes of one tap's channels); `stages` k-tiles in the
@@ -125,12 +131,16 @@ class NhwcFamily(Family):
         ctx.pop("REGS")
         (kh, kw) = spec.kernel_size
         ctx["MIN_BLOCKS"] = dict(spec.tiles)["min_blocks"]
-        ctx["WORKSPACE_BYTES"] = spec.out_channels * kh * kw * spec.cin_per_group * _esize(spec)
+        # The repacked weights, then (NCHW calls) the transposed input from a 256-byte boundary.
+        wbytes = spec.out_channels * kh * kw * spec.cin_per_group * _esize(spec)
+        ctx["WS_X_OFFSET"] = -(-wbytes // 256) * 256
+        ctx["WORKSPACE_BYTES"] = ctx["WS_X_OFFSET"] if spec.layout == "nchw" else wbytes
+        ctx["WORKSPACE_PER_INPUT"] = _esize(spec) if spec.layout == "nchw" else 0
         return ctx
 
 
 nhwc = NhwcFamily(
-    name="nhwc", device="cuda", template="cuda/nhwc.cu.j2", layouts=("nhwc",),
+    name="nhwc", device="cuda", template="cuda/nhwc.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_m": (128, 64, 256), "block_n": (128, 64, 32), "chunks": (8, 4, 2), "stages": (3, 4, 2),
            "min_blocks": (1, 2)},
