@@ -84,9 +84,18 @@ def test_refusals_say_why():
     with pytest.raises(ConvArgumentError, match="pairs of output channels"):
         _choose((8, 64, 28, 28), (63, 64, 3, 3), family="nhwc")
     with pytest.raises(ConvArgumentError, match="registers"):
-        _choose(**R50["l2.3x3.s2"], family="nhwc", tiles={"block_m": 256, "block_n": 128, "chunks": 8})
+        _choose(**R50["l2.3x3.s2"], family="nhwc", tiles={"block_m": 256, "block_n": 128, "chunks": 8, "wg": 0})
     with pytest.raises(ConvArgumentError, match="cannot share"):
-        _choose(**R50["l1.3x3"], family="nhwc", tiles={"block_m": 64, "block_n": 128, "chunks": 2})
+        _choose(**R50["l1.3x3"], family="nhwc", tiles={"block_m": 64, "block_n": 128, "chunks": 2, "wg": 0})
+    # wgmma: Hopper only, no 3xTF32, accumulators that cannot spill, 256-channel tiles its own
+    with pytest.raises(ConvArgumentError, match="needs sm_90a"):
+        _choose(**R50["l1.3x3"], family="nhwc", tiles={"wg": 1}, arch="sm_80")
+    with pytest.raises(ConvArgumentError, match="mma.sync only"):
+        _choose(**R50["l1.3x3"], math="ieee", family="nhwc", tiles={"wg": 1})
+    with pytest.raises(ConvArgumentError, match="accumulators stay in registers"):
+        _choose(**R50["l1.3x3"], family="nhwc", tiles={"wg": 1, "block_m": 128, "block_n": 256, "min_blocks": 2})
+    with pytest.raises(ConvArgumentError, match="256-channel tiles"):
+        _choose(**R50["l1.3x3"], family="nhwc", tiles={"wg": 0, "block_n": 256})
 
 
 @pytest.mark.parametrize("name", sorted(R50))
@@ -100,9 +109,12 @@ def test_default_tiles_fit_and_fill_the_card(name, dtype, math):
     x, w = R50[name]["x"], R50[name]["w"]
     P, Q = ConvSpec(x[1], w[0], w[2:], R50[name].get("stride", 1), R50[name].get("padding", 0)).output_size(x[2], x[3])
     blocks = -(-x[0] * P * Q // t["block_m"]) * -(-w[0] // t["block_n"])
-    assert blocks >= 132 or (t["block_m"], t["block_n"]) == (64, 64)  # two waves, or the smallest tiles
     if dtype == "float32" and math == "ieee":
-        assert t["block_m"] == 64  # room for the k-tile sums
+        assert t["block_m"] == 64 and t["wg"] == 0  # mma.sync, with room for the k-tile sums
+    if t["wg"]:  # wgmma: 128 pixels, channels halved only while under half a wave
+        assert t["block_m"] == 128 and (blocks >= 66 or t["block_n"] == 64) and t["stages"] >= 3
+    else:
+        assert blocks >= 132 or (t["block_m"], t["block_n"]) == (64, 64)  # two waves, or the smallest tiles
     # the template's context carries the same constants, and the workspace the repacked weights
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["NTH"] == lay["NTH"]
@@ -119,6 +131,22 @@ def test_few_channels_take_short_k_tiles():
     assert dict(_choose((8, 16, 64, 64), (64, 16, 3, 3), padding=1).tiles)["chunks"] == 4
     assert dict(_choose((8, 8, 64, 64), (64, 8, 3, 3), dtype="bfloat16", padding=1).tiles)["chunks"] == 2
     assert dict(_choose(**R50["l1.3x3"]).tiles)["chunks"] == 8
+
+
+def test_wgmma_on_hopper_for_tf32_and_16_bit_rows_of_eight_chunks():
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert dict(_choose(**R50["l4.3x3"], dtype=dtype).tiles)["wg"] == 1
+        assert dict(_choose(**R50["l4.3x3"], dtype=dtype, arch="sm_80").tiles)["wg"] == 0
+    assert dict(_choose(**R50["l4.3x3"], math="ieee").tiles)["wg"] == 0  # 3xTF32 stays on mma.sync
+    assert dict(_choose((8, 16, 64, 64), (64, 16, 3, 3), padding=1).tiles)["wg"] == 0  # rows of 4 chunks
+    # 52 blocks of 128 x 128 on 32 x 7 x 7: halved to 64 channels; 98 on 14 x 14 keep 128
+    assert dict(_choose(**R50["l4.3x3"]).tiles)["block_n"] == 64
+    assert dict(_choose((32, 256, 14, 14), (256, 256, 3, 3), padding=1).tiles)["block_n"] == 128
+    # a ring of 3 (two blocks an SM) for short reductions, 4 for long ones
+    assert dict(_choose(**R50["l2.down.s2"]).tiles)["stages"] == 3
+    assert dict(_choose(**R50["l4.3x3"]).tiles)["stages"] == 4
+    # tiles only mma.sync takes keep it
+    assert dict(_choose(**R50["l1.3x3"], family="nhwc", tiles={"stages": 2}).tiles)["wg"] == 0
 
 
 def test_forced_tiles_hold():
@@ -142,15 +170,25 @@ def test_forced_tiles_hold():
     # NCHW calls: the input transpose and the NCHW epilogue
     ("l4.3x3", "float32", "tf32", True, None, False), ("l4.1x1", "float32", "ieee", False, None, False),
     ("l2.3x3.s2", "bfloat16", "ieee", True, None, False), ("l2.down.s2", "float16", "ieee", False, None, False),
+    # the mma.sync path where wgmma is the default
+    ("l4.3x3", "bfloat16", "ieee", True, {"wg": 0}, True), ("l4.1x1", "float32", "tf32", False, {"wg": 0}, False),
+    # wgmma: rows of 4 and 2 chunks (64- and 32-byte swizzles), 256-channel and 256-pixel tiles
+    ("l1.3x3", "float32", "tf32", False, {"wg": 1, "chunks": 4, "block_n": 256, "block_m": 64}, True),
+    ("l1.3x3", "bfloat16", "ieee", False, {"wg": 1, "chunks": 2, "block_m": 256, "block_n": 64}, True),
 ])
 def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bias, tiles, cl, tmp_path):
     spec = _choose(**R50[name], dtype=dtype, math=math, family="nhwc", tiles=tiles, channels_last=cl)
     spec = spec.replace(bias=bias)
     assert spec.layout == ("nhwc" if cl else "nchw")
     text, report = lower(spec, tmp_path)
-    shape = "m16n8k8.row.col.f32.tf32.tf32" if dtype == "float32" else "m16n8k16.row.col.f32." + (
-        "bf16.bf16" if dtype == "bfloat16" else "f16.f16")
-    assert f"mma.sync.aligned.{shape}.f32" in text
+    ab = {"float32": "tf32.tf32", "bfloat16": "bf16.bf16", "float16": "f16.f16"}[dtype]
+    t = dict(spec.tiles)
+    if t["wg"]:
+        assert f"wgmma.mma_async.sync.aligned.m64n{t['block_n']}k{8 if dtype == 'float32' else 16}.f32.{ab}" in text
+        assert "mma.sync" not in text and "fence.proxy.async.shared::cta" in text
+    else:
+        shape = "m16n8k8" if dtype == "float32" else "m16n8k16"
+        assert f"mma.sync.aligned.{shape}.row.col.f32.{ab}.f32" in text and "wgmma" not in text
     assert "cp.async.cg.shared.global" in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
     # the repack, the main loop's two input paths and (NCHW) the input transpose, none spilling

@@ -46,19 +46,25 @@ class NhwcFamily(Family):
     def layout(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
         """Compile-time constants of a tile choice (the template static_asserts the same)."""
         bm, bn, kc, stages = tiles["block_m"], tiles["block_n"], tiles["chunks"], tiles["stages"]
-        wtm = 64 if bm >= 128 else 32
-        wtn = min(32, bn)
-        warps_m, warps_n = bm // wtm, bn // wtn
+        wg = tiles.get("wg", 0) == 1
+        if wg:  # a warp takes 16 rows (a quarter of its warpgroup's 64) against all BN channels
+            wtm, wtn = 16, bn
+        else:
+            wtm, wtn = (64 if bm >= 128 else 32), min(32, bn)
+        warps_m, warps_n = max(bm // wtm, 1), max(bn // wtn, 1)
         nth = 32 * warps_m * warps_n
         mi, ni = wtm // 16, wtn // 8
         strict = spec.dtype == "float32" and spec.math == "ieee"
         # Registers a thread needs: accumulators (and 3xTF32's k-tile sums), the fragments of a
-        # k-step (3xTF32: their two halves), and four per input row it copies (image offset, row,
-        # column); ptxas measured 150-200 for 4-warp 128 x 64 tiles, which the estimate covers.
-        regs = (mi * ni * 4 + (mi * 4 + ni * 2)) * (2 if strict else 1) + 4 * (bm * kc // nth) + REG_OVERHEAD
+        # k-step (3xTF32: their two halves; wgmma reads shared memory), and four per input row it
+        # copies (image offset, row, column); ptxas measured 150-200 for 4-warp 128 x 64 mma.sync
+        # tiles, which the estimate covers.
+        frags = 0 if wg else (mi * 4 + ni * 2)
+        regs = (mi * ni * 4 + frags) * (2 if strict else 1) + 4 * (bm * kc // nth) + REG_OVERHEAD
         return {"VEC": 16 // _esize(spec), "BM": bm, "BN": bn, "KC": kc, "STAGES": stages,
                 "WARPS_M_": warps_m, "WARPS_N_": warps_n, "NTH": nth,
-                "SMEM_BYTES": stages * (bm + bn) * kc * 16, "REGS": regs}
+                # wgmma: 1 KB more, to start the ring on a whole 1024-byte swizzle pattern
+                "SMEM_BYTES": stages * (bm + bn) * kc * 16 + (1024 if wg else 0), "REGS": regs}
 
     def check_shape(self, spec: "ConvSpec") -> None:
         vec = 16 // _esize(spec)
@@ -73,6 +79,19 @@ class NhwcFamily(Family):
 
     def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
         lay = self.layout(spec, tiles)
+        if tiles.get("wg", 0) == 1:
+            if spec.dtype == "float32" and spec.math == "ieee":
+                raise Unsupported("nhwc: strict float32 (3xTF32) runs on mma.sync only (wg=0)")
+            if tiles["block_m"] % 64 or tiles["stages"] < 3:
+                raise Unsupported("nhwc: wgmma takes 64 pixels a warpgroup and a ring of three k-tiles or more")
+            # wgmma's accumulators cannot spill: ptxas refuses the kernel instead (needs 90 for 512
+            # threads of 64 x 128 slices, 154 for 256 of 64 x 256)
+            blocks = tiles.get("min_blocks", 1)
+            if lay["REGS"] * lay["NTH"] * blocks > 65536:
+                raise Unsupported(f"nhwc: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers exceed "
+                                  "the SM's 65536 (wgmma's accumulators stay in registers)")
+        elif tiles["block_n"] > 128:
+            raise Unsupported("nhwc: 256-channel tiles are wgmma's (wg=1)")
         if lay["BM"] * lay["KC"] % lay["NTH"] or lay["NTH"] % lay["KC"]:
             raise Unsupported(f"nhwc: {lay['NTH']} threads cannot share {lay['BM']} rows of {lay['KC']} chunks")
         if lay["REGS"] * lay["NTH"] > 65536:
@@ -82,35 +101,62 @@ class NhwcFamily(Family):
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
-        """Tiles of 128 pixels x up to 128 channels, smaller while the grid is under two waves.
+        """Tiles from the shape.
 
         chunks: the fewest that still hold a tap's channels when those are few (16 float32
-        channels fill 4 chunks), else 8 (128 bytes a row); stages: the deepest ring that lets
-        two blocks share an SM. Strict float32 keeps 64-pixel tiles (its k-tile sums double
-        the accumulators).
+        channels fill 4 chunks), else 8 (128 bytes a row).
+
+        wg (wgmma) on sm_90a, for TF32 and 16-bit rows of 8 chunks: 128 pixels x 128 channels
+        (64 where the group has no more), halved in channels while the grid is under half a
+        wave; a ring of 3 k-tiles (two blocks an SM) for reductions under 32 k-tiles, else 4.
+        H100, ms (mma.sync's default / wgmma's), channels_last unless named: 256->256 3x3 on
+        8 x 56 x 56 TF32 0.297 / 0.250, bf16 0.168 / 0.122; on 32 x 14 x 14 TF32 0.117 / 0.108
+        (128 x 64 tiles: 0.138), bf16 0.083 / 0.064; NCHW 512->512 3x3 on 32 x 7 x 7 (52 blocks
+        of 128 x 128) TF32 0.166 / 0.122 at 128 x 64, bf16 0.104 / 0.085; 256->512 1x1 stride 2
+        on 32 x 56 x 56 TF32 0.116 / 0.100, bf16 0.074 / 0.065; 64->64 3x3 on 8 x 224 x 224 TF32
+        0.357 / 0.340, bf16 0.223 / 0.181 (scratch sweep of six tiles each).
+
+        Otherwise mma.sync: tiles of 128 pixels x up to 128 channels, smaller while the grid is
+        under two waves; stages: the deepest ring that lets two blocks share an SM. Strict
+        float32 (3xTF32, mma.sync only) keeps 64-pixel tiles (its k-tile sums double the
+        accumulators).
         """
         esize = _esize(spec)
         strict = spec.dtype == "float32" and spec.math == "ieee"
         row_bytes = spec.cin_per_group * esize
         kc = 8 if row_bytes >= 128 else 4 if row_bytes >= 64 else 2
         cout = spec.cout_per_group
-        bn = 128 if cout >= 128 else 64 if cout > 32 else 32
-        bm = 64 if strict else 128
         m = problem.N * problem.P * problem.Q
 
         def blocks(bm_: int, bn_: int) -> int:
             return -(-m // bm_) * -(-cout // bn_) * spec.groups
 
-        while blocks(bm, bn) < 2 * SMS and (bm > 64 or bn > 64):
-            if bm > 64:
-                bm //= 2
-            else:
-                bn //= 2
         fixed = dict(fixed or {})
+        # (forced tiles that only mma.sync takes keep it)
+        wg_fits = fixed.get("stages", 3) >= 3 and fixed.get("block_m", 64) % 64 == 0
+        wg = fixed.get("wg", 1 if problem.arch == "sm_90a" and not strict and kc == 8 and wg_fits else 0)
+        if wg == 1 and problem.arch != "sm_90a":
+            raise Unsupported(f"nhwc: wgmma (wg=1) needs sm_90a (target {problem.arch or 'unknown'})")
+        if wg == 1:
+            bm, bn = 128, 128 if cout > 64 else 64
+            while blocks(bm, bn) < SMS // 2 and bn > 64:
+                bn //= 2
+            bk = fixed.get("chunks", kc) * 16 // esize  # channels a k-tile
+            kt = spec.kernel_size[0] * spec.kernel_size[1] * -(-spec.cin_per_group // bk)
+            stage_order = (3, 4) if kt < 32 else (4, 3)
+        else:
+            bn = 128 if cout >= 128 else 64 if cout > 32 else 32
+            bm = 64 if strict else 128
+            while blocks(bm, bn) < 2 * SMS and (bm > 64 or bn > 64):
+                if bm > 64:
+                    bm //= 2
+                else:
+                    bn //= 2
+            stage_order = (4, 3, 2)
         fitting, reasons = [], []
         for kc_ in dict.fromkeys((kc, 4, 8)):  # the preferred chunk count, then the others once
-            for stages in (4, 3, 2):
-                cand = {"block_m": bm, "block_n": bn, "chunks": kc_, "stages": stages, **fixed}
+            for stages in stage_order:
+                cand = {"block_m": bm, "block_n": bn, "chunks": kc_, "stages": stages, "wg": wg, **fixed}
                 try:
                     self.check_tiles(spec, cand)
                 except Unsupported as exc:
@@ -121,7 +167,8 @@ class NhwcFamily(Family):
                 fitting.append((cand, two))
             if fitting:
                 break
-        for cand, two in sorted(fitting, key=lambda c: not c[1]):  # stable: deepest ring first
+        # mma.sync: two blocks an SM first (stable: deepest ring first); wgmma: stage_order's
+        for cand, two in fitting if wg == 1 else sorted(fitting, key=lambda c: not c[1]):
             cand.setdefault("min_blocks", 2 if two else 1)
             return cand
         raise Unsupported(f"no tile configuration fits ({reasons[0]})")
@@ -142,8 +189,8 @@ class NhwcFamily(Family):
 nhwc = NhwcFamily(
     name="nhwc", device="cuda", template="cuda/nhwc.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
-    tiles={"block_m": (128, 64, 256), "block_n": (128, 64, 32), "chunks": (8, 4, 2), "stages": (3, 4, 2),
-           "min_blocks": (1, 2)},
+    tiles={"block_m": (128, 64, 256), "block_n": (128, 64, 32, 256), "chunks": (8, 4, 2), "stages": (3, 4, 2),
+           "min_blocks": (1, 2), "wg": (0, 1)},
 )
 
 FAMILIES = (nhwc,)
