@@ -119,7 +119,12 @@ def test_default_tiles_fit_and_fill_the_card(name, dtype, math):
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["NTH"] == lay["NTH"]
     esize = 4 if dtype == "float32" else 2
-    assert ctx["WORKSPACE_BYTES"] == w[0] * w[1] * w[2] * w[3] * esize and ctx["WORKSPACE_PER_INPUT"] == 0
+    wbytes = w[0] * w[1] * w[2] * w[3] * esize
+    if FAM.round_copy(spec):  # wgmma on TF32 read 4 times or more: a rounded input copy after the weights
+        assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-wbytes // 256) * 256
+        assert ctx["WORKSPACE_PER_INPUT"] == 4
+    else:
+        assert ctx["WORKSPACE_BYTES"] == wbytes and ctx["WORKSPACE_PER_INPUT"] == 0
     if name in SMALL_PLANES:  # NCHW: the weights, then the transposed input from a 256-byte boundary
         ctx = _choose(**R50[name], dtype=dtype, math=math, channels_last=False).template_context()
         assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-w[0] * w[1] * w[2] * w[3] * esize // 256) * 256
@@ -149,6 +154,16 @@ def test_wgmma_on_hopper_for_tf32_and_16_bit_rows_of_eight_chunks():
     assert dict(_choose(**R50["l1.3x3"], family="nhwc", tiles={"stages": 2}).tiles)["wg"] == 0
 
 
+def test_wgmma_rounds_a_copy_of_channels_last_tf32_inputs_read_four_times_or_more():
+    assert FAM.round_copy(_choose(**R50["l4.3x3"]))  # 9 taps
+    assert FAM.round_copy(_choose(**R50["l4.1x1"]))  # 8 blocks across 512 channels
+    assert not FAM.round_copy(_choose(**R50["l2.down.s2"]))  # 1x1 stride 2: a quarter of the input, once
+    assert not FAM.round_copy(_choose(**R50["l2.3x3.s2"]))  # 9 taps over stride 2 x 2: 2.25 reads
+    assert not FAM.round_copy(_choose(**R50["l4.3x3"], channels_last=False))  # the transpose rounds
+    assert not FAM.round_copy(_choose(**R50["l4.3x3"], dtype="bfloat16"))
+    assert not FAM.round_copy(_choose(**R50["l4.3x3"], family="nhwc", tiles={"wg": 0}))
+
+
 def test_forced_tiles_hold():
     spec = _choose(**R50["l1.3x3"], family="nhwc", tiles={"block_m": 256, "block_n": 64, "stages": 2})
     t = dict(spec.tiles)
@@ -175,6 +190,7 @@ def test_forced_tiles_hold():
     # wgmma: rows of 4 and 2 chunks (64- and 32-byte swizzles), 256-channel and 256-pixel tiles
     ("l1.3x3", "float32", "tf32", False, {"wg": 1, "chunks": 4, "block_n": 256, "block_m": 64}, True),
     ("l1.3x3", "bfloat16", "ieee", False, {"wg": 1, "chunks": 2, "block_m": 256, "block_n": 64}, True),
+    ("l2.down.s2", "float32", "tf32", True, None, True),  # TF32 rounded in shared memory, not copied
 ])
 def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bias, tiles, cl, tmp_path):
     spec = _choose(**R50[name], dtype=dtype, math=math, family="nhwc", tiles=tiles, channels_last=cl)
@@ -191,6 +207,9 @@ def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bi
         assert f"mma.sync.aligned.{shape}.row.col.f32.{ab}.f32" in text and "wgmma" not in text
     assert "cp.async.cg.shared.global" in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
-    # the repack, the main loop's two input paths and (NCHW) the input transpose, none spilling
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == (3 if cl else 4), report
-    assert ("kg_nhwc_transpose" in text) == (not cl)
+    # the repack, the main loop's two input paths, (NCHW) the input transpose and (wgmma on a
+    # channels_last TF32 input) the rounding copy, none spilling
+    rounds = FAM.round_copy(spec)
+    assert not rounds or (cl and t["wg"] == 1 and dtype == "float32" and math == "tf32")
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3 + (not cl) + rounds, report
+    assert ("kg_nhwc_transpose" in text) == (not cl) and ("kg_nhwc_round" in text) == rounds

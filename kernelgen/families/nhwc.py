@@ -13,7 +13,10 @@ bfloat16 and float16.
 NCHW calls (layout 'nchw'; the dispatcher sends small planes here, see dispatch.py) take one
 more pass: the input is transposed into the workspace as dense NHWC, after the weights, and the
 epilogue writes NCHW output directly. The workspace then grows with the input
-(KG_WORKSPACE_PER_INPUT bytes an input element).
+(KG_WORKSPACE_PER_INPUT bytes an input element). wgmma (tile wg) on a dense channels_last
+TF32 input where it is read four times or more takes a rounded copy there the same way
+(round_copy): wgmma reads operands as they lie in shared memory and would truncate them; other
+inputs are rounded in shared memory as each k-tile lands.
 
 Tiles: `block_m` pixels x `block_n` output channels a block; `chunks` 16-byte chunks of
 channels a k-tile row (BK = chunks * 16 bytes of one tap's channels); `stages` k-tiles in the
@@ -173,6 +176,20 @@ class NhwcFamily(Family):
             return cand
         raise Unsupported(f"no tile configuration fits ({reasons[0]})")
 
+    def round_copy(self, spec: "ConvSpec") -> bool:
+        """Whether wgmma on a channels_last TF32 input rounds a copy of it first (else each k-tile
+        is rounded in shared memory): where blocks read each input element four times or more
+        (taps over the stride's area, times blocks across the output channels). H100, ms (in
+        shared memory / copy): 512->512 3x3 on 32 x 7 x 7 0.168 / 0.116, 128->128 3x3 on 28 x 28
+        0.123 / 0.094, 2048->512 1x1 on 7 x 7 (8 blocks across) 0.081 / 0.069; read once or
+        twice: 256->64 1x1 on 56 x 56 0.089 / 0.156, 256->512 1x1 stride 2 0.098 / 0.155,
+        128->128 3x3 stride 2 (2.25 reads) 0.120 / 0.143."""
+        t = dict(spec.tiles)
+        if not (t["wg"] == 1 and spec.layout == "nhwc" and spec.dtype == "float32" and spec.math == "tf32"):
+            return False
+        (kh, kw), (sh, sw) = spec.kernel_size, spec.stride
+        return kh * kw * -(-spec.cout_per_group // t["block_n"]) >= 4 * sh * sw
+
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         ctx = dict(self.layout(spec, dict(spec.tiles)))
         ctx.pop("REGS")
@@ -181,8 +198,10 @@ class NhwcFamily(Family):
         # The repacked weights, then (NCHW calls) the transposed input from a 256-byte boundary.
         wbytes = spec.out_channels * kh * kw * spec.cin_per_group * _esize(spec)
         ctx["WS_X_OFFSET"] = -(-wbytes // 256) * 256
-        ctx["WORKSPACE_BYTES"] = ctx["WS_X_OFFSET"] if spec.layout == "nchw" else wbytes
-        ctx["WORKSPACE_PER_INPUT"] = _esize(spec) if spec.layout == "nchw" else 0
+        ctx["ROUND_COPY"] = self.round_copy(spec)
+        copy = spec.layout == "nchw" or ctx["ROUND_COPY"]  # the input's copy follows the weights
+        ctx["WORKSPACE_BYTES"] = ctx["WS_X_OFFSET"] if copy else wbytes
+        ctx["WORKSPACE_PER_INPUT"] = _esize(spec) if copy else 0
         return ctx
 
 
