@@ -841,6 +841,12 @@ MEMCHECK = textwrap.dedent("""
             # NCHW: the input transpose (ragged tiles of channels and pixels) and the NCHW epilogue
             run("nhwc", dtype, (3, 40, 9, 12), (34, 40, 3, 3), padding=1)
             run("nhwc", dtype, (2, 16, 7, 8), (64, 8, 1, 1), groups=2, stride=2)
+            # wgmma (rows of 8 chunks) where the GPU has it: TF32's rounded copy (3x3) and its
+            # rounding in shared memory (1x1 stride 2), 16-bit, a misaligned input
+            if torch.cuda.get_device_capability() == (9, 0):
+                for offset in (0, 1):
+                    run_cl(dtype, (2, 64, 9, 10), (66, 64, 3, 3), offset, padding=1)
+                    run_cl(dtype, (3, 64, 11, 9), (34, 64, 1, 1), offset, stride=2)
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)
