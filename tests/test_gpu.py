@@ -596,13 +596,50 @@ def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
             for i, c in enumerate(make_nhwc_cases(n, seed))]
 
 
+def make_depthwise_nhwc_cases(n: int, seed: int = 6530) -> list[Case]:
+    """channels_last depthwise calls forced onto `depthwise_nhwc`: every dtype, channel
+    multipliers that divide a vector, that a vector divides and neither (the element-wise input
+    path), channel counts in whole vectors and not (element-wise throughout), every kernel shape,
+    stride, dilation and padding, ragged channel tiles and strips, forced tiles, and inputs off a
+    16-byte boundary (`cl_offset`) or whose weight alone is channels_last."""
+    rng = random.Random(seed)
+    fam = get_family("depthwise_nhwc")
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "bfloat16", "float16"])
+        C = rng.choice([2, 3, 8, 16, 24, 32, 40, 96, 144])
+        mult = rng.choice([1, 1, 1, 2, 3, 4, 8])
+        kernel = rng.choice([(3, 3), (3, 3), (5, 5), (7, 7), (3, 1), (1, 3), (2, 4), (1, 1), (9, 9)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
+        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
+        padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
+        tiles = ()
+        if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
+            for _ in range(20):
+                pick = {name: rng.choice(values) for name, values in fam.tiles.items()}
+                probe = ConvSpec(C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nhwc",
+                                 "ieee", "depthwise_nhwc", tuple(pick.items()))
+                try:
+                    fam.check(probe)
+                except Unsupported:
+                    continue
+                tiles = tuple(sorted(pick.items()))
+                break
+        layout = rng.choice(["channels_last"] * 3 + ["cl_offset"])
+        cases.append(Case(6200 + idx, rng.choice([1, 2, 3, 5]), C, C * mult, C, kernel, stride, padding, dilation,
+                          rng.random() < 0.5, dtype, None, layout, H, W, "depthwise_nhwc", tiles))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
-         make_nhwc_cases(60) + make_nhwc_nchw_cases(30))
+         make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -821,14 +858,14 @@ MEMCHECK = textwrap.dedent("""
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
         kernelgen.conv2d(x, w, b, family=family, **kw)
-    def run_cl(dtype, x_shape, w_shape, offset, **kw):
+    def run_cl(dtype, x_shape, w_shape, offset, family="nhwc", **kw):
         # channels_last input, its data `offset` elements past an allocation's start
         n, c, h, w_ = x_shape
         x = torch.randn(n * h * w_ * c + offset, device="cuda", dtype=dtype)[offset:]
         x = x.view(n, h, w_, c).permute(0, 3, 1, 2)
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
-        kernelgen.conv2d(x, w, b, family="nhwc", **kw)
+        kernelgen.conv2d(x, w, b, family=family, **kw)
     fams = all_families()
     for dtype in (torch.float32, torch.bfloat16):
         run("direct", dtype, (2, 8, 19, 24), (16, 4, 3, 5), groups=2, stride=2, padding=1)
@@ -850,6 +887,12 @@ MEMCHECK = textwrap.dedent("""
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)
+        if "depthwise_nhwc" in fams:  # vector and element-wise paths, ragged channel tiles and strips
+            for offset in (0, 1):
+                run_cl(dtype, (2, 24, 9, 11), (48, 1, 3, 3), offset, family="depthwise_nhwc", groups=24,
+                       padding=1)
+                run_cl(dtype, (3, 36, 10, 7), (36, 1, 5, 3), offset, family="depthwise_nhwc", groups=36,
+                       stride=(2, 1), padding=(2, 0), tiles={{"vec_q": 8, "rows": 2}})
         staged = dict(tiles={{"stage_out": 1, "min_blocks": 1}})
         if "pointwise" in fams:
             run("pointwise", dtype, (2, 32, 19, 24), (48, 32, 1, 1))
