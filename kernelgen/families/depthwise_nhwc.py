@@ -75,12 +75,11 @@ class DepthwiseNhwcFamily(Family):
         if kh * kw > MAX_TAPS:
             raise Unsupported(f"depthwise_nhwc unrolls the kernel: {kh}x{kw} has {kh * kw} taps, at most "
                               f"{MAX_TAPS} are served")
-        tiles = dict(spec.tiles)
-        if tiles:
-            need = smem_bytes(spec, tiles)
-            if need > SMEM_LIMIT:
-                raise Unsupported(f"depthwise_nhwc tiles {tiles} stage {need} bytes of taps; at most "
-                                  f"{SMEM_LIMIT} (choose a smaller block_c)")
+        tiles = dict(spec.tiles)  # a spec always names every tile (unnamed ones take their first value)
+        need = smem_bytes(spec, tiles)
+        if need > SMEM_LIMIT:
+            raise Unsupported(f"depthwise_nhwc tiles {tiles} stage {need} bytes of taps; at most "
+                              f"{SMEM_LIMIT} (choose a smaller block_c)")
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
@@ -114,17 +113,14 @@ class DepthwiseNhwcFamily(Family):
             block_c = 1 << (cvec - 1).bit_length()
         else:
             block_c = min((32, 16, 8), key=lambda bc: (-(-cvec // bc) * bc - cvec, -bc))
-        block_c = fixed.get("block_c", block_c)
         while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_LIMIT:
             block_c //= 2
-        threads = fixed.get("threads", 256)
-        block_c = min(block_c, threads)
         vec_q = 4
         while vec_q > 1 and vec_q // 2 >= max(problem.Q, 1):
             vec_q //= 2
         rows = 2 if spec.kernel_size[0] >= 7 else 1
-        return {"block_c": block_c, "vec_q": fixed.get("vec_q", vec_q), "rows": fixed.get("rows", rows),
-                "threads": threads}
+        # A forced tile replaces its default (block_c <= 32 divides every thread count).
+        return {**{"block_c": block_c, "vec_q": vec_q, "rows": rows, "threads": 256}, **fixed}
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         need = smem_bytes(spec, dict(spec.tiles))
