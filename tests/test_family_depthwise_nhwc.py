@@ -97,6 +97,13 @@ def test_refusals_name_the_reason():
                 tiles={"block_c": 32})
 
 
+def test_dispatch_passes_over_it_for_dtypes_it_refuses():
+    # The dispatcher asks for tiles before the family's check: float64 must reach the check.
+    assert _choose(16, (20, 20), dtype="float64").family == "direct"
+    with pytest.raises(ConvArgumentError, match="does not serve dtype float64"):
+        _choose(16, (20, 20), dtype="float64", family="depthwise_nhwc")
+
+
 def test_default_block_c_shrinks_until_the_taps_fit():
     for dtype in ("float32", "bfloat16"):
         spec = _choose(512, (20, 20), kernel=9, padding=4, dtype=dtype)

@@ -27,7 +27,8 @@ from .base import Family
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# float64 too: the dispatcher asks every family for tiles before its check refuses the dtype.
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 ACC_BYTES = 4  # float accumulators (and staged taps) for every dtype
 
 # The kernel rows and the strip unroll fully (a strip's taps times its outputs of FMAs): the same
