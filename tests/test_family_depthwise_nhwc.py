@@ -13,7 +13,8 @@ import pytest
 from kernelgen import dispatch
 from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
-from kernelgen.families.depthwise_nhwc import MAX_TAPS, SMEM_LIMIT, TILES, smem_bytes
+from kernelgen.families.depthwise import MAX_TAPS
+from kernelgen.families.depthwise_nhwc import SMEM_LIMIT, TILES, smem_bytes
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 

@@ -548,6 +548,19 @@ def make_wide_tile_cases() -> list[Case]:
     return cases
 
 
+def tuner_tiles(rng: random.Random, fam, probe) -> tuple:
+    """A random tile choice the family accepts (up to 20 draws), as sorted (name, value) pairs, or
+    () if none fits; probe(pick) is the case's spec with those tiles."""
+    for _ in range(20):
+        pick = {name: rng.choice(values) for name, values in fam.tiles.items()}
+        try:
+            fam.check(probe(pick))
+        except Unsupported:
+            continue
+        return tuple(sorted(pick.items()))
+    return ()
+
+
 def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
     """channels_last calls forced onto the `nhwc` family: every dtype and precision it serves,
     groups, bias, strides, dilation, padding ('same' included), ragged tiles of pixels and
@@ -571,16 +584,9 @@ def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
         H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
         tiles = ()
         if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
-            for _ in range(20):
-                pick = {name: rng.choice(values) for name, values in fam.tiles.items()}
-                probe = ConvSpec(C, K, kernel, stride, 0, dilation, groups, dtype, "cuda", False, "nhwc",
-                                 "tf32" if precision == "tf32" else "ieee", "nhwc", tuple(pick.items()))
-                try:
-                    fam.check(probe)
-                except Unsupported:
-                    continue
-                tiles = tuple(sorted(pick.items()))
-                break
+            tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
+                C, K, kernel, stride, 0, dilation, groups, dtype, "cuda", False, "nhwc",
+                "tf32" if precision == "tf32" else "ieee", "nhwc", tuple(pick.items())))
         cases.append(Case(6000 + idx, rng.choice([1, 2, 3, 5]), C, K, groups, kernel, stride, padding, dilation,
                           rng.random() < 0.5, dtype, precision, rng.choice(["channels_last"] * 3 + ["cl_offset"]),
                           H, W, "nhwc", tiles))
@@ -617,16 +623,9 @@ def make_depthwise_nhwc_cases(n: int, seed: int = 6530) -> list[Case]:
         H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
         tiles = ()
         if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
-            for _ in range(20):
-                pick = {name: rng.choice(values) for name, values in fam.tiles.items()}
-                probe = ConvSpec(C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nhwc",
-                                 "ieee", "depthwise_nhwc", tuple(pick.items()))
-                try:
-                    fam.check(probe)
-                except Unsupported:
-                    continue
-                tiles = tuple(sorted(pick.items()))
-                break
+            tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
+                C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nhwc", "ieee",
+                "depthwise_nhwc", tuple(pick.items())))
         layout = rng.choice(["channels_last"] * 3 + ["cl_offset"])
         cases.append(Case(6200 + idx, rng.choice([1, 2, 3, 5]), C, C * mult, C, kernel, stride, padding, dilation,
                           rng.random() < 0.5, dtype, None, layout, H, W, "depthwise_nhwc", tiles))

@@ -67,6 +67,18 @@ def geometry(spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
             "smem_bytes": stages * tile_h * srow * esize}
 
 
+def check_depthwise(name: str, spec: "ConvSpec") -> None:
+    """What every depthwise family needs: one input channel a group, and at most MAX_TAPS taps
+    (each kernel holds and unrolls them)."""
+    if spec.groups != spec.in_channels:
+        raise Unsupported(f"{name} needs groups == in_channels, got groups={spec.groups} with "
+                          f"in_channels={spec.in_channels}")
+    kh, kw = spec.kernel_size
+    if kh * kw > MAX_TAPS:
+        raise Unsupported(f"{name} holds and unrolls the kernel's taps: {kh}x{kw} has {kh * kw} taps, "
+                          f"at most {MAX_TAPS} are served")
+
+
 def _tiles_of(spec: "ConvSpec") -> dict[str, int]:
     return dict(spec.tiles)
 
@@ -83,13 +95,7 @@ class DepthwiseFamily(Family):
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
 
     def check_shape(self, spec: "ConvSpec") -> None:
-        if spec.groups != spec.in_channels:
-            raise Unsupported(f"depthwise needs groups == in_channels, got groups={spec.groups} with "
-                              f"in_channels={spec.in_channels}")
-        kh, kw = spec.kernel_size
-        if kh * kw > MAX_TAPS:
-            raise Unsupported(f"depthwise holds the kernel in registers: {kh}x{kw} has {kh * kw} taps, "
-                              f"at most {MAX_TAPS} are served")
+        check_depthwise(self.name, spec)
         smem = geometry(spec, _tiles_of(spec))["smem_bytes"]
         if smem > SMEM_LIMIT:
             raise Unsupported(f"depthwise tiles {_tiles_of(spec)} need {smem} bytes of shared memory for this "

@@ -23,17 +23,14 @@ from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConvArgumentError, Unsupported
 from .base import Family
+# The NCHW family's table (float64 too: the dispatcher asks every family for tiles before its
+# check refuses the dtype) and its shape check (groups, and the tap limit both kernels unroll).
+from .depthwise import ELEMENT_BYTES, check_depthwise
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-# float64 too: the dispatcher asks every family for tiles before its check refuses the dtype.
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 ACC_BYTES = 4  # float accumulators (and staged taps) for every dtype
-
-# The kernel rows and the strip unroll fully (a strip's taps times its outputs of FMAs): the same
-# limit as the NCHW family; bigger kernels go to the general family.
-MAX_TAPS = 81
 # The block's taps live in static shared memory.
 SMEM_LIMIT = 48 * 1024
 
@@ -69,13 +66,7 @@ class DepthwiseNhwcFamily(Family):
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
 
     def check_shape(self, spec: "ConvSpec") -> None:
-        if spec.groups != spec.in_channels:
-            raise Unsupported(f"depthwise_nhwc needs groups == in_channels, got groups={spec.groups} with "
-                              f"in_channels={spec.in_channels}")
-        kh, kw = spec.kernel_size
-        if kh * kw > MAX_TAPS:
-            raise Unsupported(f"depthwise_nhwc unrolls the kernel: {kh}x{kw} has {kh * kw} taps, at most "
-                              f"{MAX_TAPS} are served")
+        check_depthwise(self.name, spec)
         tiles = dict(spec.tiles)  # a spec always names every tile (unnamed ones take their first value)
         need = smem_bytes(spec, tiles)
         if need > SMEM_LIMIT:
