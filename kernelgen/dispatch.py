@@ -9,6 +9,15 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    MobileNetV2's 32 channels 3x3 on 112 x 112 float32 0.056 / 0.332 / 0.052, bf16 0.042 /
    0.248 / 0.039; 144 on 56 x 56 float32 0.062 / 0.428 / 0.058; ConvNeXt's 96 channels 7x7
    on 56 x 56 float32 0.090 / 0.372 / 0.19, bf16 0.097 / 0.342 / 0.083.
+   grouped_nhwc: channels_last grouped layers of 2-16 input channels a group, on the same
+   kernel (a thread's outputs read their groups' run of input channels, float32 FMAs), where
+   it beats nhwc's tensor cores: up to 8 channels a group; past 8 only for strict float32
+   (nhwc's 3xTF32) or channels nhwc cannot take (not whole 16-byte chunks). H100, batch 32,
+   channels_last input and weights, ms (grouped_nhwc / nhwc or direct, which served these
+   before / F.conv2d): ResNeXt-50's 32 groups of 4 on 56 x 56 TF32 0.081 / 0.403 / 0.101, bf16
+   0.064 / 0.071 (direct) / 0.064; of 8 on 28 x 28 TF32 0.073 / 0.109 / 0.058, bf16 0.055 /
+   0.107 / 0.044; of 16 on 14 x 14 (nhwc keeps it; 4 x 1 tiles) TF32 0.067 / 0.063 / 0.041, bf16 0.059 /
+   0.053 / 0.032, strict 0.067 (FMAs are exact) / 0.097 (3xTF32) / 0.257.
 2. nhwc: channels_last calls (the families below take NCHW only) whose channels per group
    fill whole 16-byte chunks (4 float32, 8 bf16/fp16) into an even number of output channels
    a group: one implicit GEMM over the whole batch on tensor cores. H100, batch 32, ms (nhwc /
@@ -69,7 +78,7 @@ from .errors import ConvArgumentError, Unsupported
 from .families import get_family
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise", "depthwise_nhwc", "nhwc", "wgmma", "pointwise", "igemm", "direct")
+CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "nhwc", "wgmma", "pointwise", "igemm", "direct")
 CPU_ORDER = ("cpu_direct",)
 
 
@@ -116,7 +125,7 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
         except Unsupported as exc:
             reasons.append(f"{name}: {exc}")
             continue
-        if family is None and not _worth_it(name, spec, problem):
+        if family is None and not _worth_it(name, spec, problem, math):
             continue
         return spec
     if family is not None:
@@ -124,10 +133,19 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
     raise ConvArgumentError(f"no kernel family serves this convolution on {device}: {'; '.join(reasons)}")
 
 
-def _worth_it(name: str, spec: ConvSpec, problem: Problem) -> bool:
-    """The size thresholds from the module docstring (correctness is the family's check)."""
+def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
+    """The size thresholds from the module docstring (correctness is the family's check).
+    `math`: the call's float32 math ('tf32' or 'ieee'); a family without TF32 has 'ieee' in
+    its spec either way."""
     kh, kw = spec.kernel_size
     strict = spec.dtype == "float32" and spec.math == "ieee"
+    if name == "grouped_nhwc":
+        # Float32 FMAs beat nhwc's tensor cores up to 8 channels a group; past that, only where
+        # nhwc would run strict float32 (3xTF32) or cannot take the group (channels that are
+        # not whole 16-byte chunks).
+        vec = 4 if spec.dtype == "float32" else 8
+        return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
+                or (spec.dtype == "float32" and math == "ieee"))
     if name == "nhwc":
         # channels_last calls: always (the NCHW families do not take them). NCHW calls: dense
         # layers with output planes of at most 32 x 32, where the per-image tiles of the NCHW

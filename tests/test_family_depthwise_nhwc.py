@@ -14,7 +14,7 @@ from kernelgen import dispatch
 from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
 from kernelgen.families.depthwise import MAX_TAPS
-from kernelgen.families.depthwise_nhwc import SMEM_LIMIT, TILES, smem_bytes
+from kernelgen.families.groupwise_nhwc import SMEM_LIMIT, TILES, smem_bytes
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
@@ -54,7 +54,7 @@ def test_channels_last_depthwise_goes_here_and_nchw_stays_on_depthwise(name, dty
 
 def test_default_tiles_for_the_measured_layers():
     t = dict(_choose(**LAYERS["mv2.dw32.112"]).tiles)
-    assert t == {"block_c": 8, "vec_q": 4, "rows": 1, "threads": 256}  # 32 float32 channels: 8 vectors
+    assert t == {"block_c": 8, "vec_q": 4, "rows": 1, "threads": 256, "min_blocks": 0}  # 32 float32 channels: 8 vectors
     assert dict(_choose(**LAYERS["mv2.dw32.112"], dtype="bfloat16").tiles)["block_c"] == 4
     assert dict(_choose(**LAYERS["mv2.dw960.7"]).tiles)["block_c"] == 16  # 240 vectors: 15 whole tiles
     assert dict(_choose(**LAYERS["convnext.7x7"]).tiles)["rows"] == 2  # 7 kernel rows: two output rows

@@ -632,13 +632,47 @@ def make_depthwise_nhwc_cases(n: int, seed: int = 6530) -> list[Case]:
     return cases
 
 
+def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
+    """channels_last grouped calls forced onto `grouped_nhwc`: every dtype, 2-16 input channels a
+    group (runs of input that are whole 16-byte loads and not: 3, 6, 12), output channels a group
+    that divide a vector or fill whole ones, every kernel shape, stride, dilation and padding,
+    ragged channel tiles and strips, forced tiles, and inputs off a 16-byte boundary
+    (`cl_offset`: the element-wise path)."""
+    rng = random.Random(seed)
+    fam = get_family("grouped_nhwc")
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "bfloat16", "float16"])
+        groups = rng.choice([2, 3, 4, 8, 32])
+        cin_g = rng.choice([2, 3, 4, 4, 6, 8, 8, 12, 16])
+        cout_g = rng.choice([1, 2, 4, 4, 8, 16, 24])
+        kernel = rng.choice([(3, 3), (3, 3), (3, 3), (5, 5), (7, 7), (3, 1), (1, 3), (2, 4), (1, 1)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2)])
+        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
+        padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+        precision = rng.choice(["tf32", "ieee", None]) if dtype == "float32" else None
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H, W = max(rng.randint(3, 30), eh), max(rng.randint(3, 30), ew)
+        C, K = groups * cin_g, groups * cout_g
+        tiles = ()
+        if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
+            tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
+                C, K, kernel, stride, 0, dilation, groups, dtype, "cuda", False, "nhwc", "ieee",
+                "grouped_nhwc", tuple(pick.items())))
+        layout = rng.choice(["channels_last"] * 3 + ["cl_offset"])
+        cases.append(Case(6300 + idx, rng.choice([1, 2, 3, 5]), C, K, groups, kernel, stride, padding, dilation,
+                          rng.random() < 0.5, dtype, precision, layout, H, W, "grouped_nhwc", tiles))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
-         make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60))
+         make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) +
+         make_grouped_nhwc_cases(48))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -892,6 +926,11 @@ MEMCHECK = textwrap.dedent("""
                        padding=1)
                 run_cl(dtype, (3, 36, 10, 7), (36, 1, 5, 3), offset, family="depthwise_nhwc", groups=36,
                        stride=(2, 1), padding=(2, 0), tiles={{"vec_q": 8, "rows": 2}})
+        if "grouped_nhwc" in fams:  # 16-byte and 8-byte runs of input, element-wise, ragged tiles
+            for offset in (0, 1):
+                run_cl(dtype, (2, 32, 9, 11), (32, 4, 3, 3), offset, family="grouped_nhwc", groups=8, padding=1)
+                run_cl(dtype, (3, 36, 10, 7), (24, 6, 3, 1), offset, family="grouped_nhwc", groups=6,
+                       stride=(2, 1), padding=(1, 0), tiles={{"block_c": 2, "vec_q": 8, "rows": 1}})
         staged = dict(tiles={{"stage_out": 1, "min_blocks": 1}})
         if "pointwise" in fams:
             run("pointwise", dtype, (2, 32, 19, 24), (48, 32, 1, 1))

@@ -48,7 +48,8 @@ def test_cpu_spec_renders_one_unit():
 
 def test_context_holds_only_ints_bools_and_enums():
     for fam in all_families().values():
-        spec = ConvSpec(8, 8, 3, groups=8 if fam.name.startswith("depthwise") else 1, device=fam.device, family=fam.name,
+        groups = 8 if fam.name.startswith("depthwise") else 2 if fam.name == "grouped_nhwc" else 1
+        spec = ConvSpec(8, 8, 3, groups=groups, device=fam.device, family=fam.name,
                         layout=fam.layouts[0])
         for name, value in spec.template_context().items():
             assert isinstance(value, (int, bool)) or value in {

@@ -1,0 +1,203 @@
+"""Group-wise convolution on CUDA in channels_last, where a group has few input channels:
+`depthwise_nhwc` (groups == in_channels, any channel multiplier) and `grouped_nhwc` (2-16
+input channels a group, as ResNeXt's 32 groups of 4-16).
+
+The template (templates/cuda/groupwise_nhwc.cu.j2) is a stencil that runs along channels,
+which channels_last keeps contiguous: a thread owns 16 bytes of output channels (VEC: 4
+float32, 8 bf16/fp16) of `vec_q` adjacent output pixels of a row and walks `rows` rows down;
+per kernel row it loads the input pixels its strip spans, the run of input channels its
+outputs read (their groups' channels, 16 bytes a load), and reads the overlap with the next
+row again from L1. The block's taps sit in shared memory as [tap][input channel][output
+channel]; the products are float32 FMAs (no tensor cores: a group's reduction of 4-16
+channels a tap is too thin for them). The NCHW `depthwise` family stages a plane's window in
+shared memory instead; in channels_last a plane is not contiguous, so this one is separate.
+
+Tile parameters (every combination is a valid kernel where its taps fit in shared memory):
+    block_c  channel vectors a block (lanes fastest); a warp's loads and stores are runs
+             of block_c * 16 bytes;
+    vec_q    output pixels of a row a thread;
+    rows     output rows a thread, one after another;
+    threads  threads a block (threads / block_c strips);
+    min_blocks  blocks an SM the launch bounds ask for (caps the registers a thread); 0 asks
+             for none, and ptxas aims at an occupancy of its own (a 1 lets it take more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import ConvArgumentError, Unsupported
+from .base import Family
+# The NCHW family's table (float64 too: the dispatcher asks every family for tiles before its
+# check refuses the dtype) and its shape check (groups, and the tap limit both kernels unroll).
+from .depthwise import ELEMENT_BYTES, MAX_TAPS, check_depthwise
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+ACC_BYTES = 4  # float accumulators (and staged taps) for every dtype
+# The block's taps live in static shared memory.
+SMEM_LIMIT = 48 * 1024
+
+TILES: Mapping[str, tuple[int, ...]] = {
+    # First values are the smallest footprint, so a spec that fits with them fits at all.
+    "block_c": (1, 2, 4, 8, 16, 32),
+    "vec_q": (1, 2, 4, 8),
+    "rows": (1, 2, 4, 8),
+    "threads": (64, 128, 256, 512),
+    "min_blocks": (0, 1, 2, 3, 4),
+}
+
+
+def vec_of(dtype: str) -> int:
+    """Output channels a thread owns: 16 bytes of them."""
+    return 16 // ELEMENT_BYTES[dtype]
+
+
+def smem_bytes(spec: "ConvSpec", tiles: Mapping[str, int]) -> int:
+    kh, kw = spec.kernel_size
+    return kh * kw * spec.cin_per_group * tiles["block_c"] * vec_of(spec.dtype) * ACC_BYTES
+
+
+# grouped_nhwc serves groups of at most this many input channels: a thread's products grow with
+# them (kh * kw * CIN_G * VEC FMAs an output pixel), and past 16 the tensor cores of `nhwc` win
+# (see GroupedNhwcFamily).
+MAX_CIN_G = 16
+# The kernel-row loop is unrolled while a row of a thread's products stays this short (FMAs);
+# beyond it, the unrolled code outgrows the instruction cache.
+UNROLL_FMAS = 2304
+
+
+def _check_smem(name: str, spec: "ConvSpec") -> None:
+    tiles = dict(spec.tiles)  # a spec always names every tile (unnamed ones take their first value)
+    need = smem_bytes(spec, tiles)
+    if need > SMEM_LIMIT:
+        raise Unsupported(f"{name} tiles {tiles} stage {need} bytes of taps; at most "
+                          f"{SMEM_LIMIT} (choose a smaller block_c)")
+
+
+@dataclass(frozen=True)
+class GroupwiseNhwcFamily(Family):
+    """What both channels_last group-wise families share: the template, tiles and defaults."""
+
+    name: str = "groupwise_nhwc"
+    device: str = "cuda"
+    template: str = "cuda/groupwise_nhwc.cu.j2"
+    layouts: tuple[str, ...] = ("nhwc",)
+    # float64 calls are never channels_last on CUDA (F.conv2d returns them contiguous).
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
+    tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
+        """Tiles for a problem shape.
+
+        block_c: the channel tile of 8, 16 or 32 vectors (runs of 128-512 bytes) that leaves
+            the fewest vectors idle in the last tile (ties: the wider); all of a pixel's vectors
+            when they are fewer than 8 (rounded up to a power of two). Halved while the taps do
+            not fit in shared memory.
+        vec_q: 4 output pixels a thread (a 3x3 row of 4 loads 6 input pixels), fewer only on
+            rows narrower than that.
+        rows: 2 for kernels of 7 rows or more, else 1.
+        threads: 256.
+
+        Measured on H100, channels_last, batch 32, ms against F.conv2d in the same process
+        (forced tiles; vec_q x rows): MobileNetV2's 3x3s (32 channels on 112 x 112, 96 at
+        stride 2, 144 on 56 x 56, 384 on 14 x 14, 960 on 7 x 7) ran fastest or within noise of
+        it at 4x1 in float32 and bf16 (32 channels on 112 x 112, float32: 4x1 0.056, 4x2 0.058,
+        8x1 0.057, 2x1 0.059, F.conv2d 0.052; one pixel a thread, 1x1, took 0.081 where 4x1 took
+        0.061). ConvNeXt's 7x7 (96 channels on 56 x 56) took 4x2:
+        float32 0.090 (4x1 0.099, 8x1 0.089, 2x1 0.121; F.conv2d 0.19), bf16 0.097 (4x1 0.119;
+        F.conv2d 0.083). EfficientNet's 5x5 stride 2 (144 on 56 x 56): 4x1 0.052 / 0.042,
+        4x2 0.056 / 0.045. 128 or 512 threads and two or more blocks an SM forced by launch
+        bounds did not help on the whole; neither did issuing every kernel row's loads before
+        the first is used (more registers).
+        """
+        fixed = dict(fixed or {})
+        vec = vec_of(spec.dtype)
+        cvec = -(-spec.out_channels // vec)
+        if cvec < 8:
+            block_c = 1 << (cvec - 1).bit_length()
+        else:
+            block_c = min((32, 16, 8), key=lambda bc: (-(-cvec // bc) * bc - cvec, -bc))
+        while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_LIMIT:
+            block_c //= 2
+        vec_q = 4
+        while vec_q > 1 and vec_q // 2 >= max(problem.Q, 1):
+            vec_q //= 2
+        rows = 2 if spec.kernel_size[0] >= 7 else 1
+        # A forced tile replaces its default (block_c <= 32 divides every thread count).
+        return {**{"block_c": block_c, "vec_q": vec_q, "rows": rows, "threads": 256, "min_blocks": 0}, **fixed}
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        tiles = dict(spec.tiles)
+        need = smem_bytes(spec, tiles)
+        if need > SMEM_LIMIT:
+            raise ConvArgumentError(f"{self.name} tiles {tiles} stage {need} bytes of taps for "
+                                    f"{spec.summary()}; at most {SMEM_LIMIT} (choose a smaller block_c)")
+        kh, kw = spec.kernel_size
+        fmas = kh * kw * spec.cin_per_group * vec_of(spec.dtype) * tiles["vec_q"]
+        # The template recomputes the size and static_asserts that the two agree.
+        return {"GWN_SMEM_BYTES": need, "UNROLL_KH": fmas <= UNROLL_FMAS}
+
+
+@dataclass(frozen=True)
+class DepthwiseNhwcFamily(GroupwiseNhwcFamily):
+    """Depthwise channels_last: one input channel a group, any multiplier."""
+
+    name: str = "depthwise_nhwc"
+
+    def check_shape(self, spec: "ConvSpec") -> None:
+        check_depthwise(self.name, spec)
+        _check_smem(self.name, spec)
+
+
+@dataclass(frozen=True)
+class GroupedNhwcFamily(GroupwiseNhwcFamily):
+    """Narrow groups in channels_last: 2 to MAX_CIN_G input channels a group, whose output
+    channels a group fill whole vectors or divide one (so a vector reads one run of input)."""
+
+    name: str = "grouped_nhwc"
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
+        """Depthwise's tiles, with 4 channel vectors a block (fewer where a pixel has fewer) and
+        2 rows a thread.
+
+        Narrow groups multiply each input vector by CIN_G taps a channel, read from shared
+        memory: with 4 vectors a block, the 8 strips of a warp read the same taps (a broadcast),
+        where 32 vectors a warp read 32 different ones. H100, channels_last input and weights,
+        batch 32, ms against F.conv2d in the same process (forced tiles): ResNeXt-50's 32
+        groups of 4 on 56 x 56, float32: 4 vectors x 2 rows 0.098 / 0.116, x 1 row 0.080 /
+        0.103, 8 vectors 0.086 / 0.109, 2 vectors 0.112 / 0.108, depthwise's default (32
+        vectors x 1 row) 0.104 / 0.129, nhwc 0.412 / 0.104; bf16: 4 x 2 0.067 / 0.066, 4 x 1
+        0.071 / 0.065, 8 0.080 / 0.067, 2 0.081 / 0.074. 32 groups of 8 on 28 x 28, bf16: 4 x 2
+        0.054 / 0.044, 4 x 1 0.067 / 0.052, 8 0.094 / 0.054, 2 0.063 / 0.047, nhwc 0.112 /
+        0.048. One vector a block (a full broadcast, but 16-byte loads of 32 pixels apart),
+        8 pixels a thread, 128 threads and launch bounds of 1-3 blocks an SM were no better.
+        """
+        tiles = super().default_tiles(spec, problem)
+        cvec = -(-spec.out_channels // vec_of(spec.dtype))
+        block_c = min(4, 1 << (cvec - 1).bit_length())
+        while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_LIMIT:
+            block_c //= 2
+        tiles.update(block_c=block_c, rows=2)
+        return {**tiles, **dict(fixed or {})}
+
+    def check_shape(self, spec: "ConvSpec") -> None:
+        cin_g, cout_g, vec = spec.cin_per_group, spec.cout_per_group, vec_of(spec.dtype)
+        if spec.groups < 2 or not 2 <= cin_g <= MAX_CIN_G:
+            raise Unsupported(f"{self.name} serves grouped convolutions of 2-{MAX_CIN_G} input channels a group, "
+                              f"got groups={spec.groups} with {cin_g} a group")
+        if cout_g % vec and vec % cout_g:
+            raise Unsupported(f"{self.name} needs output channels a group ({cout_g}) that fill whole vectors of "
+                              f"{vec} or divide one ({spec.dtype})")
+        kh, kw = spec.kernel_size
+        if kh * kw > MAX_TAPS:
+            raise Unsupported(f"{self.name} unrolls the kernel's taps: {kh}x{kw} has {kh * kw}, "
+                              f"at most {MAX_TAPS} are served")
+        _check_smem(self.name, spec)
+
+
+FAMILIES = (DepthwiseNhwcFamily(), GroupedNhwcFamily())
