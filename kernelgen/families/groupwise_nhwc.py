@@ -170,8 +170,8 @@ class GroupedNhwcFamily(GroupwiseNhwcFamily):
         where 32 vectors a warp read 32 different ones. H100, channels_last input and weights,
         batch 32, ms against F.conv2d in the same process (forced tiles): ResNeXt-50's 32
         groups of 4 on 56 x 56, float32: 4 vectors x 2 rows 0.098 / 0.116, x 1 row 0.080 /
-        0.103, 8 vectors 0.086 / 0.109, 2 vectors 0.112 / 0.108, depthwise's default (32
-        vectors x 1 row) 0.104 / 0.129, nhwc 0.412 / 0.104; bf16: 4 x 2 0.067 / 0.066, 4 x 1
+        0.103, 8 vectors 0.086 / 0.109, 2 vectors 0.112 / 0.108, nhwc 0.412 / 0.104 (with OIHW
+        weights, depthwise's default of 32 vectors x 1 row took 0.104 / 0.129); bf16: 4 x 2 0.067 / 0.066, 4 x 1
         0.071 / 0.065, 8 0.080 / 0.067, 2 0.081 / 0.074. 32 groups of 8 on 28 x 28, bf16: 4 x 2
         0.054 / 0.044, 4 x 1 0.067 / 0.052, 8 0.094 / 0.054, 2 0.063 / 0.047, nhwc 0.112 /
         0.048. One vector a block (a full broadcast, but 16-byte loads of 32 pixels apart),
