@@ -73,6 +73,11 @@ def check_depthwise(name: str, spec: "ConvSpec") -> None:
     if spec.groups != spec.in_channels:
         raise Unsupported(f"{name} needs groups == in_channels, got groups={spec.groups} with "
                           f"in_channels={spec.in_channels}")
+    check_taps(name, spec)
+
+
+def check_taps(name: str, spec: "ConvSpec") -> None:
+    """At most MAX_TAPS kernel taps: the stencil kernels hold and unroll them."""
     kh, kw = spec.kernel_size
     if kh * kw > MAX_TAPS:
         raise Unsupported(f"{name} holds and unrolls the kernel's taps: {kh}x{kw} has {kh * kw} taps, "

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Mapping
 from ..errors import ConvArgumentError, Unsupported
 from .base import Family
 # The NCHW family's table (float64 too: the dispatcher asks every family for tiles before its
-# check refuses the dtype) and its shape check (groups, and the tap limit both kernels unroll).
-from .depthwise import ELEMENT_BYTES, MAX_TAPS, check_depthwise
+# check refuses the dtype) and its shape checks (groups, and the tap limit every stencil unrolls).
+from .depthwise import ELEMENT_BYTES, check_depthwise, check_taps
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -67,6 +67,13 @@ MAX_CIN_G = 16
 # The kernel-row loop is unrolled while a row of a thread's products stays this short (FMAs);
 # beyond it, the unrolled code outgrows the instruction cache.
 UNROLL_FMAS = 2304
+
+
+def _fitting_block_c(spec: "ConvSpec", block_c: int) -> int:
+    """block_c, halved while the block's taps do not fit in shared memory."""
+    while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_LIMIT:
+        block_c //= 2
+    return block_c
 
 
 def _check_smem(name: str, spec: "ConvSpec") -> None:
@@ -121,8 +128,7 @@ class GroupwiseNhwcFamily(Family):
             block_c = 1 << (cvec - 1).bit_length()
         else:
             block_c = min((32, 16, 8), key=lambda bc: (-(-cvec // bc) * bc - cvec, -bc))
-        while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_LIMIT:
-            block_c //= 2
+        block_c = _fitting_block_c(spec, block_c)
         vec_q = 4
         while vec_q > 1 and vec_q // 2 >= max(problem.Q, 1):
             vec_q //= 2
@@ -179,10 +185,7 @@ class GroupedNhwcFamily(GroupwiseNhwcFamily):
         """
         tiles = super().default_tiles(spec, problem)
         cvec = -(-spec.out_channels // vec_of(spec.dtype))
-        block_c = min(4, 1 << (cvec - 1).bit_length())
-        while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_LIMIT:
-            block_c //= 2
-        tiles.update(block_c=block_c, rows=2)
+        tiles.update(block_c=_fitting_block_c(spec, min(4, 1 << (cvec - 1).bit_length())), rows=2)
         return {**tiles, **dict(fixed or {})}
 
     def check_shape(self, spec: "ConvSpec") -> None:
@@ -193,10 +196,7 @@ class GroupedNhwcFamily(GroupwiseNhwcFamily):
         if cout_g % vec and vec % cout_g:
             raise Unsupported(f"{self.name} needs output channels a group ({cout_g}) that fill whole vectors of "
                               f"{vec} or divide one ({spec.dtype})")
-        kh, kw = spec.kernel_size
-        if kh * kw > MAX_TAPS:
-            raise Unsupported(f"{self.name} unrolls the kernel's taps: {kh}x{kw} has {kh * kw}, "
-                              f"at most {MAX_TAPS} are served")
+        check_taps(self.name, spec)
         _check_smem(self.name, spec)
 
 
