@@ -39,17 +39,17 @@ class Plan:
     pointers and the stream, and launches.
     """
 
-    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_contig", "b_contig", "args", "key", "ws")
+    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_asis", "b_contig", "args", "key", "ws")
 
-    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_contig, b_contig, args, key, ws=0):
+    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_asis, b_contig, args, key, ws=0):
         self.launch = launch  # None: nothing to compute (an empty batch, or meta tensors)
         self.out_shape = out_shape  # 4-D
         self.fmt = fmt
         self.squeeze = squeeze  # unbatched input: drop the batch dimension again
         self.prep = prep  # 0: input as it is; 1: made NCHW-contiguous; 2: made channels_last
-        self.w_contig = w_contig
+        self.w_asis = w_asis  # the kernel reads the weight through its strides; else a contiguous copy
         self.b_contig = b_contig
-        self.args = args  # N, H, W, P, Q, input strides, output strides, device index
+        self.args = args  # N, H, W, P, Q, input, output and weight strides, device index
         self.key = key
         self.ws = ws  # bytes of device scratch the kernel takes, allocated per call on its stream
 
@@ -295,6 +295,16 @@ def _input_strides(input: torch.Tensor, unbatched: bool, prep: int) -> tuple[int
     return x.stride()
 
 
+def _weight_strides(weight: torch.Tensor) -> tuple[bool, tuple[int, ...]]:
+    """(as_is, strides): kernels read a weight through its strides (KgW in abi.cuh) when
+    every offset in it fits 32 bits (any layout: OIHW, channels_last, a slice, an expand);
+    another weight is copied to contiguous OIHW first, and the strides are that copy's."""
+    strides = weight.stride()
+    if sum((n - 1) * s for n, s in zip(weight.shape, strides)) < 1 << 31:
+        return True, strides
+    return False, _contiguous_strides(weight.shape)
+
+
 def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     """Precompute a plan's launch arguments from the call's sizes and the tensors' strides."""
     unbatched, N, K, P, Q, H, W, channels_last = call_fields
@@ -304,9 +314,10 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
         return Plan(None, (N, K, P, Q), fmt, unbatched, prep, True, True, (), key)
     xs = _input_strides(input, unbatched, prep)
     ys = (_channels_last_strides if channels_last else _contiguous_strides)((N, K, P, Q))
+    w_asis, wst = _weight_strides(weight)
     dev = input.device.index if input.is_cuda else -1
-    return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, weight.is_contiguous(),
-                bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, dev), key,
+    return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, w_asis,
+                bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, *wst, dev), key,
                 workspace_bytes(key, input.numel()))
 
 
@@ -315,7 +326,7 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if plan.launch is not None:
         prep = plan.prep
         x = input if prep == 0 else input.contiguous() if prep == 1 else input.contiguous(memory_format=_CL)
-        w = weight if plan.w_contig else weight.contiguous()
+        w = weight if plan.w_asis else weight.contiguous()
         if bias is None:
             b = 0
         else:

@@ -89,6 +89,58 @@ def test_channels_last_and_non_contiguous_inputs():
         assert y.is_contiguous() == ref.is_contiguous()
 
 
+def _weight_views(shape):
+    """The same weight values in five layouts: OIHW, channels_last, a slice, a permuted view
+    and one broadcast along its output channels."""
+    K, C, kh, kw = shape
+    w = torch.randn(shape)
+    big = torch.randn(2 * K, C, kh + 2, kw)
+    big[::2, :, 1:kh + 1] = w
+    perm = torch.empty(kh, kw, K, C)
+    perm.copy_(w.permute(2, 3, 0, 1))
+    one = torch.randn(1, C, kh, kw)
+    return [("oihw", w), ("channels_last", w.contiguous(memory_format=torch.channels_last)),
+            ("slice", big[::2, :, 1:kh + 1]), ("permuted", perm.permute(2, 3, 0, 1)),
+            ("broadcast", one.expand(K, C, kh, kw))]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_weights_are_read_through_their_strides(groups):
+    """Kernels read a weight where it lies (KgW): every layout gives F.conv2d's answer, and
+    the plan passes the weight's own strides instead of copying it."""
+    from kernelgen import functional
+
+    x = torch.randn(2, 6, 11, 13)
+    for name, w in _weight_views((4, 6 // groups, 3, 2)):
+        y = kernelgen.conv2d(x, w, padding=(1, 0), groups=groups)
+        ref = reference(x, w, None, padding=(1, 0), groups=groups)
+        assert rel_err(y, ref) <= 1e-5, name
+        plan = next(p for sig, p in functional._plans.items() if sig[5] == w.stride() and sig[4] == w.shape)
+        assert plan.w_asis, name
+        assert plan.args[-5:-1] == w.stride(), name
+
+
+def test_weights_past_32_bit_offsets_are_copied():
+    """A weight whose offsets do not fit 32 bits is handed over as a contiguous copy."""
+    from kernelgen.functional import _weight_strides
+
+    assert _weight_strides(torch.empty(8, 4, 3, 3, device="meta")) == (True, (36, 9, 3, 1))
+    cl = torch.empty(8, 4, 3, 3, device="meta").contiguous(memory_format=torch.channels_last)
+    assert _weight_strides(cl) == (True, (36, 1, 12, 4))
+    far = torch.empty_strided((2, 4, 3, 3), (1 << 31, 9, 3, 1), device="meta")
+    assert _weight_strides(far) == (False, (36, 9, 3, 1))
+
+
+def test_weights_of_2_31_elements_go_to_a_64_bit_family():
+    """Only the families that index weights in 64 bits take a weight of 2^31 elements."""
+    x = torch.empty(1, 1 << 15, 4, 4, device="meta")
+    w = torch.empty(1 << 16, 1 << 15, 1, 1, device="meta")
+    spec, _ = kernelgen.functional.spec_for(x, w, device="cuda")
+    assert spec.family == "direct"
+    with pytest.raises(kernelgen.ConvArgumentError, match="indexes weights in 32 bits"):
+        kernelgen.functional.spec_for(x, w, device="cuda", family="pointwise")
+
+
 def test_empty_batch():
     y = kernelgen.conv2d(torch.randn(0, 4, 8, 8), torch.randn(6, 4, 3, 3))
     assert y.shape == (0, 6, 6, 6)

@@ -53,7 +53,8 @@ class Case:
     bias: bool
     dtype: str
     precision: str | None
-    layout: str  # contiguous, channels_last, weight_channels_last, strided_view, cl_offset
+    layout: str  # contiguous, channels_last, weight_channels_last, strided_view, cl_offset,
+    # weight_slice, cl_weight_slice
     H: int
     W: int
     family: str | None
@@ -665,6 +666,30 @@ def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
     return cases
 
 
+def make_weight_layout_cases(hopper: bool) -> list[Case]:
+    """Every family reading a weight that is not contiguous OIHW, through its strides (KgW):
+    a channels_last weight (which makes the call channels_last) and a slice of a larger
+    tensor (`weight_slice`; `cl_weight_slice` with a channels_last input)."""
+    rows = [  # family, C, K, groups, kernel, layouts
+        ("depthwise", 16, 32, 16, (3, 3), ["weight_slice"]),
+        ("depthwise_nhwc", 16, 32, 16, (3, 3), ["cl_weight_slice"]),
+        ("grouped_nhwc", 32, 32, 8, (3, 3), ["weight_channels_last", "cl_weight_slice"]),
+        ("nhwc", 32, 64, 1, (3, 3), ["weight_channels_last", "cl_weight_slice"]),
+        ("pointwise", 32, 64, 1, (1, 1), ["weight_slice"]),
+        ("igemm", 16, 32, 2, (3, 3), ["weight_slice"]),
+        ("igemm", 256, 64, 1, (3, 3), ["weight_slice"]),  # a long reduction: weights staged per k-step
+        ("direct", 8, 12, 2, (3, 2), ["weight_slice", "weight_channels_last"]),
+    ] + ([("wgmma", 64, 64, 1, (3, 3), ["weight_slice"])] if hopper else [])
+    cases = []
+    for family, C, K, groups, kernel, layouts in rows:
+        for layout in layouts:
+            for dtype, precision in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", None)):
+                padding = 0 if kernel == (1, 1) else 1
+                cases.append(Case(6400 + len(cases), 2, C, K, groups, kernel, (1, 1), padding, (1, 1), True, dtype,
+                                  precision, layout, 19, 21, family))
+    return cases
+
+
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
@@ -672,7 +697,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) +
-         make_grouped_nhwc_cases(48))
+         make_grouped_nhwc_cases(48) + make_weight_layout_cases(HOPPER))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -698,6 +723,13 @@ def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
         x = view.copy_(x) if device != "meta" else view
     if case.layout == "weight_channels_last":
         w = w.contiguous(memory_format=torch.channels_last)
+    if case.layout in ("weight_slice", "cl_weight_slice"):  # every other output channel, rows 1..kh
+        big = torch.randn(2 * case.K, case.C // case.groups, case.kernel[0] + 1, case.kernel[1], generator=g)
+        big = big.to(device=device, dtype=dt)
+        big[::2, :, 1:] = w
+        w = big[::2, :, 1:]
+    if case.layout == "cl_weight_slice":
+        x = x.contiguous(memory_format=torch.channels_last)
     return x, w, b
 
 

@@ -38,6 +38,8 @@ class Family:
     tiles: tile parameter name -> allowed values; a spec's tiles must name each one.
     tf32: whether it has a TF32 tensor-core path (MATH='tf32'); families without one
         always compute exact float32 and specs for them carry MATH='ieee'.
+    wide_weights: whether it indexes weights in 64 bits (KgW::at64). The others index in
+        32 bits and refuse weights of 2^31 elements or more.
     """
 
     name: str
@@ -47,6 +49,7 @@ class Family:
     dtypes: tuple[str, ...]
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     tf32: bool = False
+    wide_weights: bool = False
 
     def check(self, spec: "ConvSpec") -> None:
         """Raise Unsupported(reason) if this family cannot compute `spec` correctly."""
@@ -56,6 +59,9 @@ class Family:
             raise Unsupported(f"{self.name} does not serve dtype {spec.dtype}")
         if spec.layout not in self.layouts:
             raise Unsupported(f"{self.name} does not take layout {spec.layout}")
+        kh, kw = spec.kernel_size
+        if not self.wide_weights and spec.out_channels * spec.cin_per_group * kh * kw >= 1 << 31:
+            raise Unsupported(f"{self.name} indexes weights in 32 bits; this weight has 2^31 elements or more")
         self.check_shape(spec)
 
     def check_shape(self, spec: "ConvSpec") -> None:

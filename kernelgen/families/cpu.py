@@ -12,6 +12,7 @@ from .base import Family
 cpu_direct = Family(
     name="cpu_direct", device="cpu", template="cpu/direct.cpp.j2", layouts=("any",),
     dtypes=("float32", "float16", "bfloat16", "float64"), tiles={},
+    wide_weights=True,
 )
 
 FAMILIES = (cpu_direct,)
