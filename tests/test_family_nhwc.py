@@ -3,7 +3,8 @@
 What they cover: which calls the dispatcher sends to it (channels_last ones the tensor cores can
 take) and which it never does, that its refusals name the reason, that default and forced tiles
 fit and agree with the template's layout, and (with nvcc) that every dtype and precision lowers
-to tensor-core MMAs fed by cp.async, with no spills.
+to tensor-core MMAs fed by cp.async, with no spills, and 16-bit wgmma tiles store whole 16-byte
+rows.
 """
 
 from __future__ import annotations
@@ -214,3 +215,7 @@ def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bi
     assert not rounds or (cl and t["wg"] == 1 and dtype == "float32" and math == "tf32")
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3 + (not cl) + rounds, report
     assert ("kg_nhwc_transpose" in text) == (not cl) and ("kg_nhwc_round" in text) == rounds
+    if dtype != "float32":
+        # wgmma's 16-bit channels_last tiles leave through shared memory as 16-byte row vectors
+        # (STAGE_Y; these tiles all fit the ring); the others store fragments' channel pairs.
+        assert ("st.global.v4" in text) == bool(t["wg"] and cl), text.count("st.global.v4")
