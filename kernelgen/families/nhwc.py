@@ -117,7 +117,10 @@ class NhwcFamily(Family):
         (128 x 64 tiles: 0.138), bf16 0.083 / 0.064; NCHW 512->512 3x3 on 32 x 7 x 7 (52 blocks
         of 128 x 128) TF32 0.166 / 0.122 at 128 x 64, bf16 0.104 / 0.085; 256->512 1x1 stride 2
         on 32 x 56 x 56 TF32 0.116 / 0.100, bf16 0.074 / 0.065; 64->64 3x3 on 8 x 224 x 224 TF32
-        0.357 / 0.340, bf16 0.223 / 0.181 (scratch sweep of six tiles each).
+        0.357 / 0.340, bf16 0.223 / 0.181 (scratch sweep of six tiles each). Tried and lost on 12
+        such layers (benchmarks/results/h100.md, twenty-sixth session): a producer warpgroup
+        feeding the ring (geomean speedup over F.conv2d TF32 0.59 / bf16 0.62 against 0.64 /
+        0.75), 256-pixel blocks, three blocks an SM.
 
         Otherwise mma.sync: tiles of 128 pixels x up to 128 channels, smaller while the grid is
         under two waves; stages: the deepest ring that lets two blocks share an SM. Strict
