@@ -156,7 +156,8 @@ DTYPES = ["float32", "float16", "bfloat16"]
 # Tiles rotate through the grid, so that every value of every tile parameter is compiled.
 TILE_CYCLE = [dict(block_q=512, rows=8, threads=256, stages=2), dict(block_q=32, rows=1, threads=64, stages=1),
               dict(block_q=64, rows=16, threads=512, stages=2), dict(block_q=128, rows=2, threads=128, stages=1),
-              dict(block_q=256, rows=4, threads=256, stages=2)]
+              dict(block_q=256, rows=4, threads=256, stages=2), dict(block_q=8, rows=2, threads=128, stages=2),
+              dict(block_q=16, rows=4, threads=64, stages=1)]
 
 
 def _fit(kw):

@@ -20,6 +20,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Mapping
 
 import pytest
 import torch
@@ -549,11 +550,12 @@ def make_wide_tile_cases() -> list[Case]:
     return cases
 
 
-def tuner_tiles(rng: random.Random, fam, probe) -> tuple:
+def tuner_tiles(rng: random.Random, fam, probe, values: Mapping | None = None) -> tuple:
     """A random tile choice the family accepts (up to 20 draws), as sorted (name, value) pairs, or
-    () if none fits; probe(pick) is the case's spec with those tiles."""
+    () if none fits; probe(pick) is the case's spec with those tiles; `values` narrows the
+    choices (default: the family's)."""
     for _ in range(20):
-        pick = {name: rng.choice(values) for name, values in fam.tiles.items()}
+        pick = {name: rng.choice(vals) for name, vals in (values or fam.tiles).items()}
         try:
             fam.check(probe(pick))
         except Unsupported:
@@ -633,6 +635,34 @@ def make_depthwise_nhwc_cases(n: int, seed: int = 6530) -> list[Case]:
     return cases
 
 
+def make_depthwise_cases(n: int, seed: int = 6570) -> list[Case]:
+    """NCHW depthwise calls forced onto `depthwise` with tiles narrower than a warp (8 or 16
+    columns, the small-plane tiles: lanes of one warp on several rows) and some wider: every
+    dtype, channel multipliers, kernel shapes, strides, dilations and paddings, planes from
+    1 x 1 to 30 x 30, on contiguous inputs and strided views (the element-wise window path)."""
+    rng = random.Random(seed)
+    fam = get_family("depthwise")
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16", "float64"])
+        C = rng.choice([1, 3, 8, 16, 24])
+        mult = rng.choice([1, 1, 2, 3])
+        kernel = rng.choice([(3, 3), (3, 3), (5, 5), (3, 1), (1, 3), (2, 4)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2)])
+        dilation = rng.choice([(1, 1), (1, 1), (2, 2)])
+        padding = rng.choice([0, 1, (1, 2)] + (["same"] if stride == (1, 1) else []))
+        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        H, W = max(rng.randint(1, 30), eh), max(rng.randint(1, 30), ew)
+        narrow = {**fam.tiles, "block_q": (8, 16)} if idx % 4 else None
+        tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
+            C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nchw", "ieee", "depthwise",
+            tuple(pick.items())), narrow)
+        cases.append(Case(6500 + idx, rng.choice([1, 2, 3]), C, C * mult, C, kernel, stride, padding, dilation,
+                          rng.random() < 0.5, dtype, None, rng.choice(["contiguous"] * 3 + ["strided_view"]), H, W,
+                          "depthwise", tiles))
+    return cases
+
+
 def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
     """channels_last grouped calls forced onto `grouped_nhwc`: every dtype, 2-16 input channels a
     group (runs of input that are whole 16-byte loads and not: 3, 6, 12), output channels a group
@@ -696,7 +726,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
-         make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) +
+         make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
          make_grouped_nhwc_cases(48) + make_weight_layout_cases(HOPPER))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped

@@ -45,7 +45,7 @@ COLUMN_VECTOR = {"float32": 1, "float16": 4, "bfloat16": 4, "float64": 1}
 
 TILES: Mapping[str, tuple[int, ...]] = {
     # First values are the smallest window, so a spec that fits with them fits at all.
-    "block_q": (32, 64, 128, 256, 512),
+    "block_q": (8, 16, 32, 64, 128, 256, 512),
     "rows": (1, 2, 4, 8, 16),
     "threads": (64, 128, 256, 512),
     "stages": (1, 2),
