@@ -67,7 +67,9 @@ input itself, into its workspace, and writes NCHW.)
 CPU: the one CPU family.
 
 A user or a tuner can force a family and its tiles (`family=`, `tiles=`); then the
-family must accept the spec or the call fails with its reason.
+family must accept the spec or the call fails with its reason. Tiles without a family
+narrow the choice to the families that have every tile named: the first of them in the
+order above that accepts the spec and would be chosen for it, else the first that accepts it.
 """
 
 from __future__ import annotations
@@ -106,8 +108,13 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
     else:
         names = _available(CUDA_ORDER if device == "cuda" else CPU_ORDER)
     reasons = []
+    spare = None  # tiles without a family: the first family that has them and accepts the spec
     for name in names:
         fam = get_family(name)
+        missing = sorted(set(tiles or ()) - set(fam.tiles))
+        if family is None and missing:  # forced tiles pick among the families that have them
+            reasons.append(f"{name}: has no tile parameter(s) {missing}")
+            continue
         layout = _layout_for(fam.layouts, channels_last)
         if layout is None:
             reasons.append(f"{name}: takes layouts {list(fam.layouts)}")
@@ -126,8 +133,11 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
             reasons.append(f"{name}: {exc}")
             continue
         if family is None and not _worth_it(name, spec, problem, math):
+            spare = spare or (spec if tiles else None)
             continue
         return spec
+    if spare is not None:
+        return spare
     if family is not None:
         raise ConvArgumentError(f"family {family!r} cannot serve this convolution: {'; '.join(reasons)}")
     raise ConvArgumentError(f"no kernel family serves this convolution on {device}: {'; '.join(reasons)}")

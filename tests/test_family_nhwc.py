@@ -80,6 +80,20 @@ def test_what_it_cannot_take_stays_on_direct():
     assert _choose((8, 64, 28, 28), (64, 64, 3, 3), dtype="float64", math="ieee").family == "direct"
 
 
+def test_tiles_without_a_family_pick_a_family_that_has_them():
+    # channels_last 1x1: the families before nhwc (depthwise_nhwc, grouped_nhwc) have no `chunks`
+    spec = _choose((32, 24, 56, 56), (144, 24, 1, 1), dtype="bfloat16", tiles={"chunks": 4})
+    assert spec.family == "nhwc" and dict(spec.tiles)["chunks"] == 4
+    # NCHW 56 x 56: nhwc has `block_m` but is not chosen there; wgmma (next in order) is
+    spec = _choose(**R50["l1.3x3"], channels_last=False, tiles={"block_m": 128})
+    assert spec.family == "wgmma" and dict(spec.tiles)["block_m"] == 128
+    # only nhwc has `chunks`: taken though the dispatcher would not choose it there
+    spec = _choose(**R50["l1.3x3"], channels_last=False, tiles={"chunks": 4})
+    assert spec.family == "nhwc" and spec.layout == "nchw"
+    with pytest.raises(ConvArgumentError, match="has no tile parameter"):
+        _choose(**R50["l1.3x3"], tiles={"no_such_tile": 1})
+
+
 def test_refusals_say_why():
     with pytest.raises(ConvArgumentError, match="16-byte chunks"):
         _choose((8, 12, 28, 28), (64, 12, 3, 3), dtype="bfloat16", family="nhwc")
