@@ -32,9 +32,27 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    strict 0.309 / 0.870 / 0.377, bf16 0.105 / 0.348 / 0.072; 128->128 3x3 stride 2 from
    56 x 56 TF32 0.152 / 0.260 (igemm) / 0.114, strict 0.269 / 1.162 / 0.277; 256->512 1x1
    stride 2 TF32 0.197 / 0.613 / 0.158; 512->128 1x1 on 28 x 28 TF32 0.109 / 0.200 / 0.057.
-   On 56 x 56 planes the NCHW families keep them: 64->64 3x3 TF32 wgmma 0.113 against nhwc's
-   0.143 on channels_last before any transpose; grouped layers keep igemm (ResNeXt's 32
-   groups of 16 on 14 x 14: 0.080 against 0.082 before the transpose).
+   On larger planes nhwc takes the wide dense layers too (_nchw_wide): 2-9 taps from at
+   least 96 input channels (128 for 16-bit); and 1x1 layers from 128 channels or more are
+   split between nhwc, wgmma and pointwise by plane and channels (_nchw_1x1). The NCHW families' k-steps are 16-32 channels of a halo tile, so
+   their loop overhead grows with the channels; nhwc's are 32 channels of one tap, and its
+   transpose costs one pass over the input. H100, same process, ms (nhwc / the family it
+   replaced / F.conv2d), TF32 then bf16: 256->256 3x3 on 8 x 56 x 56 0.196 / 0.318 (wgmma) /
+   0.158 and 0.127 / 0.174 / 0.088; 128->128 3x3 on 32 x 56 x 56 0.228 / 0.285 / 0.185 and 0.142
+   / 0.165 / 0.123; 512->512 3x3 on 8 x 56 x 56 0.686 / 1.04 / 0.388 and 0.382 / 0.580 / 0.235;
+   96->96 3x3 on 32 x 56 x 56 0.172 / 0.221 / 0.152 (bf16 0.135 / 0.129: 16-bit from 128); 128->128
+   3x3 stride 2 on 8 x 112 x 112 0.130 / 0.262 (igemm) / 0.108 and 0.091 / 0.164 / 0.075; 1x1
+   1024->1024 on 8 x 64 x 64 0.651 / 1.21 (wgmma; pointwise 0.790) / 0.248 and 0.372 / 0.726 /
+   0.124; 256->256 1x1 on 16 x 56 x 56 0.131 / 0.178 / 0.074. The NCHW families keep the rest:
+   64->64 3x3 on 32 x 56 x 56 wgmma 0.101 / nhwc 0.105 (bf16 0.070 / 0.082), on 4 x 256 x 256
+   0.185 / 0.238; 128->128 5x5 on 16 x 64 x 64 0.330 / 0.340 (bf16 0.186 / 0.206); strict
+   float32 (wgmma's 3xTF32: 256->256 3x3 0.455 / 0.749); grouped layers (igemm: ResNeXt's 32
+   groups of 16 on 14 x 14 0.080 against 0.082; 2 groups of 128 even); 1x1 TF32 1024->256 on
+   8 x 64 x 64 (pointwise 0.220 / nhwc 0.263). On planes of 28 x 28 pointwise takes the 1x1
+   reductions to a quarter from at most 512 channels (pointwise / nhwc): 512->128 on 32 x 28 x
+   28 TF32 0.070 / 0.094 (F.conv2d 0.050), bf16 0.065 / 0.075; 256->64 0.039 / 0.061, bf16 0.033
+   / 0.052; but not 1024->256 (bf16 0.252 / 0.149) or 128->512 (TF32 0.094 / 0.071), and not
+   on 14 x 14 (1024->256 TF32 0.121 / 0.073).
 3. wgmma (sm_90a only): float32 (TF32, or strict as 3xTF32), bf16 and fp16, column
    stride 1, at least 64 output channels per group, one full wgmma k-step of input
    channels per group (8 float32, 16 bf16/fp16) and a reduction CIN_G*KH*KW >= 128
@@ -48,6 +66,13 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    group are whole k-steps (8, 16, ...). Also float32 layers of 16-63 output channels per
    group from whole k-steps of input channels and reductions of 256 or more (128 strict),
    on such rows.
+   1x1 kernels on planes over 32 x 32 (TF32 and 16-bit; strict float32 keeps wgmma) only
+   where nhwc does not take them and the outputs are at least twice the inputs, or 16-bit
+   from more than 256 inputs; pointwise runs the rest faster. H100, same process, ms (wgmma / pointwise / F.conv2d):
+   128->512 on 32 x 56 x 56 TF32 0.216 / 0.322 / 0.132, bf16 0.127 / 0.238 / 0.077; 512->128
+   bf16 0.191 / 0.233 / 0.076; but 256->64 on 32 x 56 x 56 TF32 0.123 / 0.100 / 0.088, bf16
+   0.114 / 0.084 / 0.055; 512->128 TF32 0.319 / 0.227 / 0.125; 1024->256 on 8 x 64 x 64 TF32
+   0.332 / 0.220 / 0.109.
 4. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
 5. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
@@ -143,6 +168,38 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
     raise ConvArgumentError(f"no kernel family serves this convolution on {device}: {'; '.join(reasons)}")
 
 
+def _nchw_wide(spec: ConvSpec) -> bool:
+    """NCHW dense k x k layers that nhwc serves faster than the NCHW families on any plane
+    (module docstring, item 2): 2-9 taps from >= 96 input channels (16-bit: 128). Not strict
+    float32 (wgmma's 3xTF32 wins there)."""
+    kh, kw = spec.kernel_size
+    if spec.groups != 1 or (spec.dtype == "float32" and spec.math == "ieee"):
+        return False
+    return 1 < kh * kw <= 9 and spec.in_channels >= (96 if spec.dtype == "float32" else 128)
+
+
+def _nchw_1x1(spec: ConvSpec, problem: Problem) -> str | None:
+    """The family for an NCHW dense 1x1 layer from >= 128 input channels in TF32 or 16-bit
+    (module docstring, items 2-4), or None where the general rules decide. Of the three that
+    serve it, by output plane and channels: planes up to 32 x 32 nhwc, except pointwise for
+    reductions to a quarter or less from at most 512 channels on planes of 28 x 28 or more;
+    larger planes nhwc from 256 into 256 or more (float32: into at least half as many), wgmma
+    into twice the inputs or more, or 16-bit from over 256, else pointwise. Where the pick
+    refuses the spec the dispatcher's order goes on (pointwise takes any 1x1)."""
+    if (spec.layout != "nchw" or spec.groups != 1 or spec.kernel_size != (1, 1) or spec.in_channels < 128
+            or (spec.dtype == "float32" and spec.math == "ieee")):
+        return None
+    cin, cout, plane = spec.in_channels, spec.out_channels, problem.P * problem.Q
+    wide = spec.dtype != "float32"
+    if plane <= 1024:
+        return "pointwise" if plane >= 784 and 4 * cout <= cin <= 512 else "nhwc"
+    if cin >= 256 and cout >= 256 and (wide or 2 * cout >= cin):
+        return "nhwc"
+    if cout >= 2 * cin or (wide and cin > 256):
+        return "wgmma"
+    return "pointwise"
+
+
 def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
     """The size thresholds from the module docstring (correctness is the family's check).
     `math`: the call's float32 math ('tf32' or 'ieee'); a family without TF32 has 'ieee' in
@@ -160,7 +217,12 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         # channels_last calls: always (the NCHW families do not take them). NCHW calls: dense
         # layers with output planes of at most 32 x 32, where the per-image tiles of the NCHW
         # families run part empty and the batch-wide GEMM pays for its input transpose.
-        return spec.layout == "nhwc" or (spec.groups == 1 and problem.P * problem.Q <= 1024)
+        if spec.layout == "nhwc":
+            return True
+        pick = _nchw_1x1(spec, problem)
+        if pick is not None:
+            return pick == "nhwc"
+        return (spec.groups == 1 and problem.P * problem.Q <= 1024) or _nchw_wide(spec)
     if name == "pointwise":
         return spec.cin_per_group >= 8
     if name == "igemm":
@@ -179,7 +241,8 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         # 4.79 since). Strict float32 (3xTF32) from 64: case 87 5.42-5.46 vs pointwise 6.47.
         if (spec.cout_per_group >= 64 and spec.cin_per_group >= (8 if spec.dtype == "float32" else 16)
                 and spec.cin_per_group * kh * kw >= (64 if strict else 128)):
-            return True
+            pick = _nchw_1x1(spec, problem)
+            return pick is None or pick == "wgmma"
         # float32 first layers, H100, ms (wgmma / igemm / direct / F.conv2d), TF32 then strict:
         # 3->64 3x3 on 16 x 512 x 512 0.52 / 0.59 / 2.07 / 0.89 and 0.71 / 0.99 / 2.04 / 0.89;
         # 3->64 5x5 on 8 x 512 x 512 0.44 / 0.89 / 1.62 / 0.74 and 0.63 / 2.06 / 1.64 / 0.74;

@@ -62,11 +62,46 @@ def test_channels_last_layers_go_to_nhwc_and_nchw_ones_on_small_planes(name, dty
 def test_nchw_calls_keep_their_families_where_grouped_or_large():
     # grouped (ResNeXt's 32 groups on 14 x 14), a plane just over 32 x 32, and the five cases' planes
     assert _choose((32, 512, 14, 14), (512, 16, 3, 3), groups=32, padding=1, channels_last=False).family == "igemm"
-    assert _choose((8, 128, 33, 32), (128, 128, 3, 3), padding=1, channels_last=False).family == "wgmma"
-    assert _choose((8, 128, 32, 32), (128, 128, 3, 3), padding=1, channels_last=False).family == "nhwc"
+    assert _choose((8, 64, 33, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "wgmma"
+    assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "nhwc"
     assert _choose((16, 64, 1024, 1024), (128, 64, 1, 1), channels_last=False).family == "pointwise"
     # too few channels for a 16-byte chunk: the NCHW families, as before
     assert _choose((32, 3, 14, 14), (64, 3, 3, 3), padding=1, channels_last=False).family != "nhwc"
+
+
+@pytest.mark.parametrize("x, w, kw, tf32, bf16", [
+    # up to 9 taps from >= 96 input channels (16-bit: 128): nhwc on any plane
+    ((8, 256, 56, 56), (256, 256, 3, 3), dict(padding=1), "nhwc", "nhwc"),
+    ((32, 96, 56, 56), (96, 96, 3, 3), dict(padding=1), "nhwc", "wgmma"),
+    ((8, 128, 112, 112), (128, 128, 3, 3), dict(padding=1, stride=2), "nhwc", "nhwc"),  # was igemm
+    ((16, 128, 64, 64), (128, 128, 3, 1), dict(padding=(1, 0)), "nhwc", "nhwc"),
+    ((16, 128, 64, 64), (128, 128, 5, 5), dict(padding=2), "wgmma", "wgmma"),  # 25 taps
+    ((32, 64, 56, 56), (64, 64, 3, 3), dict(padding=1), "wgmma", "wgmma"),
+    ((8, 256, 64, 64), (256, 128, 3, 3), dict(padding=1, groups=2), "wgmma", "wgmma"),
+    # 1x1 on planes over 32 x 32: nhwc from 256 into 256 or more (float32: into half as many),
+    # wgmma where the outputs are twice the inputs or 16-bit from over 256, pointwise the rest
+    ((8, 1024, 64, 64), (1024, 1024, 1, 1), {}, "nhwc", "nhwc"),
+    ((8, 1024, 64, 64), (256, 1024, 1, 1), {}, "pointwise", "nhwc"),
+    ((32, 128, 56, 56), (512, 128, 1, 1), {}, "wgmma", "wgmma"),
+    ((32, 512, 56, 56), (128, 512, 1, 1), {}, "pointwise", "wgmma"),
+    ((32, 256, 56, 56), (64, 256, 1, 1), {}, "pointwise", "pointwise"),
+    # planes of 28 x 28: pointwise for reductions to a quarter from at most 512, else nhwc
+    ((32, 512, 28, 28), (128, 512, 1, 1), {}, "pointwise", "pointwise"),
+    ((32, 1024, 28, 28), (256, 1024, 1, 1), {}, "nhwc", "nhwc"),
+    ((32, 128, 28, 28), (512, 128, 1, 1), {}, "nhwc", "nhwc"),
+    ((32, 1024, 14, 14), (256, 1024, 1, 1), {}, "nhwc", "nhwc"),
+    ((32, 256, 56, 56), (512, 256, 1, 1), dict(stride=2), "nhwc", "nhwc"),
+    # the five cases' planes keep their families
+    ((16, 64, 1024, 1024), (128, 64, 1, 1), {}, "pointwise", "pointwise"),
+    ((8, 64, 512, 256), (128, 64, 5, 7), dict(padding=(2, 3)), "wgmma", "wgmma"),
+    ((16, 16, 1024, 1024), (128, 16, 3, 3), {}, "wgmma", "wgmma"),
+])
+def test_nchw_layers_on_large_planes(x, w, kw, tf32, bf16):
+    assert _choose(x, w, channels_last=False, **kw).family == tf32
+    assert _choose(x, w, dtype="bfloat16", channels_last=False, **kw).family == bf16
+    # strict float32 moves to nhwc on planes up to 32 x 32 only (elsewhere wgmma's 3xTF32 wins)
+    small = (x[2] // kw.get("stride", 1)) * (x[3] // kw.get("stride", 1)) <= 1024
+    assert (_choose(x, w, math="ieee", channels_last=False, **kw).family == "nhwc") == small
 
 
 def test_what_it_cannot_take_stays_on_direct():
