@@ -138,6 +138,18 @@ def test_default_tiles_for_the_kernelbench_cases():
         assert dict(s83.tiles) == best
 
 
+@pytest.mark.parametrize("kw, shape, block_q", [
+    (dict(channels=960, padding=1), (32, 7, 7), 8),                  # MobileNetV2's small planes
+    (dict(channels=384, padding=1), (32, 14, 14), 16),
+    (dict(channels=3, kernel=(7, 1), padding=(3, 0)), (2, 1000, 1), 8),  # one column
+    (dict(channels=64, padding=1), (8, 17, 17), 32),                 # wider than 16: a whole warp
+    (dict(channels=96, stride=2, padding=1), (32, 112, 112), 64),    # 56 columns at stride 2
+    (dict(channels=32, padding=1), (32, 112, 112), 128),
+])
+def test_tiles_narrower_than_a_warp_only_where_one_covers_the_row(kw, shape, block_q):
+    assert dict(with_default_tiles(spec(**kw), *shape).tiles)["block_q"] == block_q
+
+
 def test_default_tiles_need_shared_memory_the_check_allows_whenever_check_passes():
     # For every (kernel, stride, dilation) the first tiles fit, default tiles must fit too.
     for k, st, d in itertools.product((1, 3, 9), (1, 2, 4), (1, 3, 9)):
