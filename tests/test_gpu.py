@@ -68,6 +68,11 @@ class Case:
                 f"{' ' + ','.join(f'{k}={v}' for k, v in self.tiles) if self.tiles else ''}")
 
 
+def _extent(kernel: tuple, dilation: tuple) -> tuple:
+    """Rows and columns a dilated kernel spans: the least padded input that holds it."""
+    return tuple(d * (k - 1) + 1 for k, d in zip(kernel, dilation))
+
+
 def make_cases(n: int, seed: int = 1234) -> list[Case]:
     rng = random.Random(seed)
     cases = []
@@ -99,7 +104,7 @@ def make_cases(n: int, seed: int = 1234) -> list[Case]:
         N = rng.choice([0, 1, 1, 2, 3, 4])
         H, W = rng.randint(5, 48), rng.randint(5, 48)
         # The padded input must hold the dilated kernel.
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H, W = max(H, eh), max(W, ew)
         if N == 0 and layout != "strided_view":
             layout = "contiguous"
@@ -129,7 +134,7 @@ def make_wgmma_cases(n: int, seed: int = 4321) -> list[Case]:
         precision = "tf32" if dtype == "float32" else None
         layout = rng.choice(["contiguous", "contiguous", "contiguous", "strided_view"])
         N = rng.choice([0, 1, 2, 3])
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(5, 70), eh), max(rng.randint(5, 300), ew)
         cases.append(Case(1000 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
                           dtype, precision, layout, H, W, "wgmma"))
@@ -160,7 +165,7 @@ def make_staged_cases(n: int, seed: int = 2468) -> list[Case]:
             tiles.append(("async_x", 1))  # resident weights only
         layout = rng.choice(["contiguous", "contiguous", "strided_view"])
         N = rng.choice([0, 1, 2, 3])
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 200), ew)
         cases.append(Case(2000 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
                           dtype, precision, layout, H, W, family, tuple(tiles)))
@@ -298,7 +303,7 @@ def make_ws_stage_cases(n: int, seed: int = 9753) -> list[Case]:
         tiles = [("ws", 1), ("block_k", kstep)] + ([("tile_p", 1), ("tile_q", 256)] if rng.random() < 0.4 else [])
         layout = rng.choice(["contiguous", "contiguous", "contiguous", "strided_view"])
         N = rng.choice([0, 1, 2])
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H = max(rng.randint(3, 20), eh)
         W = max(rng.choice([rng.randint(3, 300), 64, 136, 264, 280]), ew)
         cases.append(Case(4400 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
@@ -335,7 +340,7 @@ def make_split_cases(n: int, seed: int = 5791) -> list[Case]:
             tiles.append(("block_k", 8))  # several stages a tile
         layout = rng.choice(["contiguous", "contiguous", "contiguous", "strided_view"])
         N = rng.choice([0, 1, 2])
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H = max(rng.randint(3, 20), eh)
         W = max(rng.choice([rng.randint(3, 300), 64, 136, 264]), ew)
         cases.append(Case(4500 + idx, N, C, K, groups, kernel, stride, padding, dilation, rng.random() < 0.5,
@@ -583,7 +588,7 @@ def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
         dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
         padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
         precision = rng.choice(["tf32", "ieee", None]) if dtype == "float32" else None
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
         tiles = ()
         if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
@@ -622,7 +627,7 @@ def make_depthwise_nhwc_cases(n: int, seed: int = 6530) -> list[Case]:
         stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
         dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
         padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
         tiles = ()
         if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
@@ -651,7 +656,7 @@ def make_depthwise_cases(n: int, seed: int = 6570) -> list[Case]:
         stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2)])
         dilation = rng.choice([(1, 1), (1, 1), (2, 2)])
         padding = rng.choice([0, 1, (1, 2)] + (["same"] if stride == (1, 1) else []))
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(1, 30), eh), max(rng.randint(1, 30), ew)
         narrow = {**fam.tiles, "block_q": (8, 16)} if idx % 4 else None
         tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
@@ -682,7 +687,7 @@ def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
         dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
         padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
         precision = rng.choice(["tf32", "ieee", None]) if dtype == "float32" else None
-        eh, ew = dilation[0] * (kernel[0] - 1) + 1, dilation[1] * (kernel[1] - 1) + 1
+        eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 30), eh), max(rng.randint(3, 30), ew)
         C, K = groups * cin_g, groups * cout_g
         tiles = ()
