@@ -214,9 +214,10 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
                 or (spec.dtype == "float32" and math == "ieee"))
     if name == "nhwc":
-        # channels_last calls: always (the NCHW families do not take them). NCHW calls: dense
-        # layers with output planes of at most 32 x 32, where the per-image tiles of the NCHW
-        # families run part empty and the batch-wide GEMM pays for its input transpose.
+        # channels_last calls: always (the NCHW families do not take them). NCHW calls: the 1x1
+        # table's pick; else dense layers with output planes of at most 32 x 32, where the
+        # per-image tiles of the NCHW families run part empty and the batch-wide GEMM pays for
+        # its input transpose, and wide ones on any plane (_nchw_wide).
         if spec.layout == "nhwc":
             return True
         pick = _nchw_1x1(spec, problem)
