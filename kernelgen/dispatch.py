@@ -18,7 +18,21 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.064 / 0.071 (direct) / 0.064; of 8 on 28 x 28 TF32 0.073 / 0.109 / 0.058, bf16 0.055 /
    0.107 / 0.044; of 16 on 14 x 14 (nhwc keeps it; 4 x 1 tiles) TF32 0.067 / 0.063 / 0.041, bf16 0.059 /
    0.053 / 0.032, strict 0.067 (FMAs are exact) / 0.097 (3xTF32) / 0.257.
-2. nhwc: channels_last calls (the families below take NCHW only) whose channels per group
+2. nhwc_tma (sm_90a): dense channels_last layers in TF32 and 16-bit whose reduction is 4
+   k-tiles (of 128 bytes of one tap's channels) or more, and in TF32 only where the tap windows
+   read each input element 4 times or more (kh*kw >= 4*sh*sw), since TF32 pays a rounded copy of
+   the whole input: the implicit GEMM of nhwc with the output channels as wgmma's M, its input
+   gathered by the TMA's im2col mode and handed over by mbarriers. H100, batch 32 unless named,
+   same process, ms (nhwc_tma / nhwc / F.conv2d), TF32 then bf16: VGG's 64->64 3x3 on 8 x 224 x
+   224 0.275 / 0.348 / 0.178 and 0.123 / 0.180 / 0.107; 64->64 3x3 on 4 x 256 x 256 0.184 / 0.224
+   / 0.122 and 0.084 / 0.109 / 0.076; 64->64 3x3 on 56 x 56 0.087 / 0.101 / 0.073 and 0.047 /
+   0.054 / 0.052; 256->256 3x3 on 8 x 56 x 56 0.148 / 0.199 / 0.163 and 0.080 / 0.105 / 0.073; on
+   14 x 14 0.061 / 0.078 / 0.057 and 0.039 / 0.049 / 0.045; 512->512 3x3 on 7 x 7 0.089 / 0.103 /
+   0.063 and 0.055 / 0.063 / 0.046; 128->128 3x3 stride 2 bf16 0.041 / 0.049 / 0.048 (TF32, 2.25
+   reads: 0.101 / 0.097); 256->1024 1x1 on 14 x 14 bf16 0.033 / 0.037 (TF32, one read: 0.049 /
+   0.053). Shorter reductions lose: 64->256 1x1 on 56 x 56 (one k-tile in bf16) 0.069 / 0.063, and
+   so does TF32 over strided or 1x1 windows: 256->512 1x1 stride 2 0.144 / 0.082.
+   nhwc: channels_last calls (the families below take NCHW only) whose channels per group
    fill whole 16-byte chunks (4 float32, 8 bf16/fp16) into an even number of output channels
    a group: one implicit GEMM over the whole batch on tensor cores. H100, batch 32, ms (nhwc /
    direct / F.conv2d on channels_last): ResNet-50's 64->64 3x3 on 56 x 56 TF32 0.122 / 0.814 /
@@ -105,7 +119,8 @@ from .errors import ConvArgumentError, Unsupported
 from .families import get_family
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "nhwc", "wgmma", "pointwise", "igemm", "direct")
+CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "nhwc_tma", "nhwc", "wgmma", "pointwise", "igemm",
+              "direct")
 CPU_ORDER = ("cpu_direct",)
 
 
@@ -213,6 +228,10 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         vec = 4 if spec.dtype == "float32" else 8
         return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
                 or (spec.dtype == "float32" and math == "ieee"))
+    if name == "nhwc_tma":
+        (sh, sw), esize = spec.stride, (4 if spec.dtype == "float32" else 2)
+        k_tiles = kh * kw * -(-spec.in_channels * esize // 128)
+        return k_tiles >= 4 and (spec.dtype != "float32" or kh * kw >= 4 * sh * sw)
     if name == "nhwc":
         # channels_last calls: always (the NCHW families do not take them). NCHW calls: the 1x1
         # table's pick; else dense layers with output planes of at most 32 x 32, where the

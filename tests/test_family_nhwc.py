@@ -45,12 +45,26 @@ R50 = {
 
 SMALL_PLANES = ("l2.3x3.s2", "l2.down.s2", "l4.3x3", "l4.1x1")  # output planes of 28 x 28 and 7 x 7
 
+# On Hopper, nhwc_tma takes the channels_last layers of 4 k-tiles or more, in TF32 only where
+# the windows read each input element 4 times or more (dispatch.py, item 2): layer -> (TF32, 16-bit).
+HOPPER_CL = {"l1.3x3": ("nhwc_tma", "nhwc_tma"), "l2.3x3.s2": ("nhwc", "nhwc_tma"),
+             "l2.down.s2": ("nhwc", "nhwc_tma"), "l4.3x3": ("nhwc_tma", "nhwc_tma"), "l4.1x1": ("nhwc", "nhwc_tma")}
+
+
+def _nhwc(*args, **kw):
+    """The `nhwc` family's own choice of tiles (on Hopper the dispatcher may pick nhwc_tma)."""
+    return _choose(*args, **kw, family="nhwc")
+
 
 @pytest.mark.parametrize("name", sorted(R50))
 @pytest.mark.parametrize("dtype,math", [("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee"),
                                         ("float16", "ieee")])
 def test_channels_last_layers_go_to_nhwc_and_nchw_ones_on_small_planes(name, dtype, math):
     spec = _choose(**R50[name], dtype=dtype, math=math)
+    strict = dtype == "float32" and math == "ieee"
+    want = "nhwc" if strict else HOPPER_CL[name][dtype != "float32"]
+    assert spec.family == want and spec.layout == "nhwc" and spec.math == math
+    spec = _choose(**R50[name], dtype=dtype, math=math, arch="sm_80")  # no TMA im2col before Hopper
     assert spec.family == "nhwc" and spec.layout == "nhwc" and spec.math == math
     nchw = _choose(**R50[name], dtype=dtype, math=math, channels_last=False)
     if name in SMALL_PLANES:
@@ -152,7 +166,7 @@ def test_refusals_say_why():
 @pytest.mark.parametrize("name", sorted(R50))
 @pytest.mark.parametrize("dtype,math", [("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")])
 def test_default_tiles_fit_and_fill_the_card(name, dtype, math):
-    spec = _choose(**R50[name], dtype=dtype, math=math)
+    spec = _nhwc(**R50[name], dtype=dtype, math=math)
     t = dict(spec.tiles)
     lay = FAM.layout(spec, t)
     assert lay["SMEM_BYTES"] <= SMEM_LIMIT
@@ -177,42 +191,42 @@ def test_default_tiles_fit_and_fill_the_card(name, dtype, math):
     else:
         assert ctx["WORKSPACE_BYTES"] == wbytes and ctx["WORKSPACE_PER_INPUT"] == 0
     if name in SMALL_PLANES:  # NCHW: the weights, then the transposed input from a 256-byte boundary
-        ctx = _choose(**R50[name], dtype=dtype, math=math, channels_last=False).template_context()
+        ctx = _nhwc(**R50[name], dtype=dtype, math=math, channels_last=False).template_context()
         assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-w[0] * w[1] * w[2] * w[3] * esize // 256) * 256
         assert ctx["WORKSPACE_PER_INPUT"] == esize
 
 
 def test_few_channels_take_short_k_tiles():
     # 16 float32 channels fill four 16-byte chunks; 8 bf16 channels one (the smallest k-tile is two)
-    assert dict(_choose((8, 16, 64, 64), (64, 16, 3, 3), padding=1).tiles)["chunks"] == 4
-    assert dict(_choose((8, 8, 64, 64), (64, 8, 3, 3), dtype="bfloat16", padding=1).tiles)["chunks"] == 2
-    assert dict(_choose(**R50["l1.3x3"]).tiles)["chunks"] == 8
+    assert dict(_nhwc((8, 16, 64, 64), (64, 16, 3, 3), padding=1).tiles)["chunks"] == 4
+    assert dict(_nhwc((8, 8, 64, 64), (64, 8, 3, 3), dtype="bfloat16", padding=1).tiles)["chunks"] == 2
+    assert dict(_nhwc(**R50["l1.3x3"]).tiles)["chunks"] == 8
 
 
 def test_wgmma_on_hopper_for_tf32_and_16_bit_rows_of_eight_chunks():
     for dtype in ("float32", "bfloat16", "float16"):
-        assert dict(_choose(**R50["l4.3x3"], dtype=dtype).tiles)["wg"] == 1
-        assert dict(_choose(**R50["l4.3x3"], dtype=dtype, arch="sm_80").tiles)["wg"] == 0
-    assert dict(_choose(**R50["l4.3x3"], math="ieee").tiles)["wg"] == 0  # 3xTF32 stays on mma.sync
-    assert dict(_choose((8, 16, 64, 64), (64, 16, 3, 3), padding=1).tiles)["wg"] == 0  # rows of 4 chunks
+        assert dict(_nhwc(**R50["l4.3x3"], dtype=dtype).tiles)["wg"] == 1
+        assert dict(_nhwc(**R50["l4.3x3"], dtype=dtype, arch="sm_80").tiles)["wg"] == 0
+    assert dict(_nhwc(**R50["l4.3x3"], math="ieee").tiles)["wg"] == 0  # 3xTF32 stays on mma.sync
+    assert dict(_nhwc((8, 16, 64, 64), (64, 16, 3, 3), padding=1).tiles)["wg"] == 0  # rows of 4 chunks
     # 52 blocks of 128 x 128 on 32 x 7 x 7: halved to 64 channels; 98 on 14 x 14 keep 128
-    assert dict(_choose(**R50["l4.3x3"]).tiles)["block_n"] == 64
-    assert dict(_choose((32, 256, 14, 14), (256, 256, 3, 3), padding=1).tiles)["block_n"] == 128
+    assert dict(_nhwc(**R50["l4.3x3"]).tiles)["block_n"] == 64
+    assert dict(_nhwc((32, 256, 14, 14), (256, 256, 3, 3), padding=1).tiles)["block_n"] == 128
     # a ring of 3 (two blocks an SM) for short reductions, 4 for long ones
-    assert dict(_choose(**R50["l2.down.s2"]).tiles)["stages"] == 3
-    assert dict(_choose(**R50["l4.3x3"]).tiles)["stages"] == 4
+    assert dict(_nhwc(**R50["l2.down.s2"]).tiles)["stages"] == 3
+    assert dict(_nhwc(**R50["l4.3x3"]).tiles)["stages"] == 4
     # tiles only mma.sync takes keep it
-    assert dict(_choose(**R50["l1.3x3"], family="nhwc", tiles={"stages": 2}).tiles)["wg"] == 0
+    assert dict(_nhwc(**R50["l1.3x3"], tiles={"stages": 2}).tiles)["wg"] == 0
 
 
 def test_wgmma_rounds_a_copy_of_channels_last_tf32_inputs_read_four_times_or_more():
-    assert FAM.round_copy(_choose(**R50["l4.3x3"]))  # 9 taps
-    assert FAM.round_copy(_choose(**R50["l4.1x1"]))  # 8 blocks across 512 channels
-    assert not FAM.round_copy(_choose(**R50["l2.down.s2"]))  # 1x1 stride 2: a quarter of the input, once
-    assert not FAM.round_copy(_choose(**R50["l2.3x3.s2"]))  # 9 taps over stride 2 x 2: 2.25 reads
-    assert not FAM.round_copy(_choose(**R50["l4.3x3"], channels_last=False))  # the transpose rounds
-    assert not FAM.round_copy(_choose(**R50["l4.3x3"], dtype="bfloat16"))
-    assert not FAM.round_copy(_choose(**R50["l4.3x3"], family="nhwc", tiles={"wg": 0}))
+    assert FAM.round_copy(_nhwc(**R50["l4.3x3"]))  # 9 taps
+    assert FAM.round_copy(_nhwc(**R50["l4.1x1"]))  # 8 blocks across 512 channels
+    assert not FAM.round_copy(_nhwc(**R50["l2.down.s2"]))  # 1x1 stride 2: a quarter of the input, once
+    assert not FAM.round_copy(_nhwc(**R50["l2.3x3.s2"]))  # 9 taps over stride 2 x 2: 2.25 reads
+    assert not FAM.round_copy(_nhwc(**R50["l4.3x3"], channels_last=False))  # the transpose rounds
+    assert not FAM.round_copy(_nhwc(**R50["l4.3x3"], dtype="bfloat16"))
+    assert not FAM.round_copy(_nhwc(**R50["l4.3x3"], tiles={"wg": 0}))
 
 
 def test_forced_tiles_hold():

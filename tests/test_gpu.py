@@ -601,6 +601,40 @@ def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
     return cases
 
 
+def make_nhwc_tma_cases(n: int, seed: int = 6480) -> list[Case]:
+    """Dense channels_last calls forced onto `nhwc_tma` (Hopper): TF32 and 16-bit, channel counts
+    under, at and past one k-tile's 128 bytes, output channels past a block's, kernels 1x1 to 7x7
+    with strides, dilations and paddings ('same' included, whose even kernels pad unevenly),
+    several images in one pixel tile, tuner tiles, and inputs the TMA cannot address as they lie
+    (`cl_offset`, copied into the workspace) or weights read through their strides."""
+    rng = random.Random(seed)
+    fam = get_family("nhwc_tma")
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        vec = 4 if dtype == "float32" else 8
+        C = vec * rng.choice([1, 2, 3, 4, 5, 8, 16, 24])
+        K = vec * rng.choice([1, 3, 8, 12, 16, 24, 32, 40])
+        kernel = rng.choice([(1, 1), (3, 3), (3, 3), (5, 5), (3, 1), (1, 7), (2, 2), (7, 7)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
+        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
+        padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+        precision = rng.choice(["tf32", "tf32", None]) if dtype == "float32" else None
+        eh, ew = _extent(kernel, dilation)
+        H, W = max(rng.randint(3, 48), eh), max(rng.randint(3, 48), ew)
+        tiles = ()
+        if idx % 2 == 1:
+            tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
+                C, K, kernel, stride, 0, dilation, 1, dtype, "cuda", False, "nhwc",
+                "tf32" if dtype == "float32" else "ieee", "nhwc_tma", tuple(pick.items())))
+        layout = rng.choice(["channels_last"] * 4 + ["cl_offset", "cl_weight_slice", "weight_channels_last"])
+        if layout == "weight_channels_last" and kernel == (1, 1):  # a 1x1 weight is both: the call stays NCHW
+            layout = "channels_last"
+        cases.append(Case(6150 + idx, rng.choice([1, 2, 3, 5]), C, K, 1, kernel, stride, padding, dilation,
+                          rng.random() < 0.5, dtype, precision, layout, H, W, "nhwc_tma", tiles))
+    return cases
+
+
 def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
     """NCHW calls forced onto the `nhwc` family (its input transposed into the workspace, its
     output written in NCHW): make_nhwc_cases' shapes from another seed, on contiguous inputs and
@@ -729,7 +763,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
-                                make_short_reduction_cases() if HOPPER else []) +
+                                make_short_reduction_cases() + make_nhwc_tma_cases(48) if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
          make_grouped_nhwc_cases(48) + make_weight_layout_cases(HOPPER))
@@ -890,14 +924,18 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.skipif(not HOPPER, reason="wgmma needs a compute-capability 9.0 GPU")
+@pytest.mark.parametrize("family", ["wgmma", "nhwc_tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wgmma_graph_capture_and_side_stream(dtype):
-    """The wgmma family allocates its packed-weight workspace per call: it must be capturable
-    and follow the current stream like every other family."""
+def test_wgmma_graph_capture_and_side_stream(dtype, family):
+    """wgmma and nhwc_tma allocate their packed-weight workspace per call (nhwc_tma also encodes
+    its tensor maps on the host and copies a TF32 input): they must be capturable and follow the
+    current stream like every other family."""
     x = torch.randn(2, 32, 20, 70, device="cuda", dtype=dtype)
+    if family == "nhwc_tma":
+        x = x.contiguous(memory_format=torch.channels_last)
     w = torch.randn(128, 32, 3, 5, device="cuda", dtype=dtype)
     b = torch.randn(128, device="cuda", dtype=dtype)
-    kw = dict(padding=1, family="wgmma", precision="tf32" if dtype == torch.float32 else None)
+    kw = dict(padding=1, family=family, precision="tf32" if dtype == torch.float32 else None)
     tol = 5e-3 if dtype == torch.float32 else 2e-2
     for _ in range(2):
         kernelgen.conv2d(x, w, b, **kw)

@@ -1,0 +1,131 @@
+"""`nhwc_tma`: dense channels_last convolution on Hopper, its input gathered by the TMA's im2col mode.
+
+One implicit GEMM over the whole batch (templates/cuda/nhwc_tma.cu.j2), with the output channels
+as wgmma's M and the pixels as its N: D[COUT x pixel] = W[COUT x K] . im2col[K x pixel], K = (r,
+s, channel). Where `nhwc` has every thread compute addresses and issue cp.async for its rows of
+each k-tile, here one producer warp issues two Tensor Memory Accelerator copies a k-tile: the
+weights' box, and the im2col box of `block_p` pixels x 128 bytes of one tap's channels, which the
+hardware gathers, zero-fills in the padding and lays in wgmma's 128-byte swizzle. Consumer
+warpgroups wait on mbarriers, multiply, and release their slot; no block barrier in the loop.
+
+Tiles: `block_co` output channels a block (64 a consumer warpgroup along them); `block_p` pixels
+a block, split between `wgn` warpgroups along them (wgmma's N is block_p / wgn); `stages` ring
+slots; `min_blocks` blocks an SM the launch bounds ask for.
+
+It serves sm_90a, groups of one, TF32 and 16-bit (wgmma truncates float32 operands, so a TF32
+input is rounded into the workspace first, and strict float32 stays with `nhwc`'s 3xTF32), input
+and output channels in whole 16-byte chunks, and windows the TMA's im2col box can describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import Unsupported
+from .base import Family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+SMEM_LIMIT = 227 * 1024  # per block, opt-in
+SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
+CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit signed
+
+
+def _esize(spec: "ConvSpec") -> int:
+    return 4 if spec.dtype == "float32" else 2
+
+
+@dataclass(frozen=True)
+class NhwcTmaFamily(Family):
+    def layout(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
+        """Compile-time constants of a tile choice (the template static_asserts the same)."""
+        bco, bp, wgn, stages = tiles["block_co"], tiles["block_p"], tiles["wgn"], tiles["stages"]
+        esize = _esize(spec)
+        stage = (bco + bp) * 128
+        ncw = bco // 64 * wgn
+        return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "NTH": 128 * ncw + 32,
+                "SMEM_BYTES": stages * stage + 1024,  # 1 KB more to start the ring on a swizzle pattern
+                "STAGED": bp * (bco + 16 // esize) * esize, "RING": stages * stage,
+                # accumulators (wgmma's N / 2 a thread), the staging loop and addresses
+                "REGS": bp // wgn // 2 + 40}
+
+    def check_shape(self, spec: "ConvSpec") -> None:
+        vec = 16 // _esize(spec)
+        if spec.groups != 1:
+            raise Unsupported("nhwc_tma serves dense layers (groups=1)")
+        if spec.dtype == "float32" and spec.math == "ieee":
+            raise Unsupported("nhwc_tma: strict float32 needs 3xTF32, which nhwc runs (wgmma would truncate)")
+        if spec.in_channels % vec or spec.out_channels % vec:
+            raise Unsupported(f"nhwc_tma needs input and output channels in whole 16-byte chunks ({vec} for "
+                              f"{spec.dtype}), got {spec.in_channels} -> {spec.out_channels}")
+        (kh, kw), (dh, dw) = spec.kernel_size, spec.dilation
+        if max((kh - 1) * dh, (kw - 1) * dw, *spec.padding) > CORNER:
+            raise Unsupported(f"nhwc_tma: the TMA's im2col box reaches {CORNER} pixels at most (kernel extent "
+                              f"{(kh - 1) * dh + 1} x {(kw - 1) * dw + 1}, padding {spec.padding})")
+        if max(spec.stride) > 8:
+            raise Unsupported(f"nhwc_tma: the TMA steps 8 pixels at most (stride {spec.stride})")
+        self.check_tiles(spec, dict(spec.tiles))
+
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+        lay = self.layout(spec, tiles)
+        if lay["BP"] % lay["WGN"] or (lay["BP"] // lay["WGN"]) % 8 or lay["BP"] // lay["WGN"] > 256:
+            raise Unsupported(f"nhwc_tma: {lay['BP']} pixels cannot be split into {lay['WGN']} wgmma N of 8-256")
+        if lay["SMEM_BYTES"] > SMEM_LIMIT:
+            raise Unsupported(f"nhwc_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
+        if lay["STAGED"] > lay["RING"]:
+            raise Unsupported(f"nhwc_tma: the staged output tile ({lay['STAGED']} bytes) does not fit the ring")
+        blocks = tiles.get("min_blocks", 1)
+        if lay["REGS"] * lay["NTH"] * blocks > 65536:
+            raise Unsupported(f"nhwc_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers exceed "
+                              "the SM's 65536 (wgmma's accumulators stay in registers)")
+        if blocks * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
+            raise Unsupported(f"nhwc_tma: {blocks} blocks of {lay['SMEM_BYTES']} bytes of shared memory exceed the SM's")
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
+        """64 output channels a block where the layer has no more, else 128; 128 pixels in one
+        warpgroup along them; the deepest ring (up to 6) that lets two blocks share an SM with three
+        slots or more, else one block's."""
+        if problem.arch != "sm_90a":
+            raise Unsupported(f"nhwc_tma: the TMA's im2col mode and wgmma need sm_90a (target {problem.arch or 'unknown'})")
+        fixed = dict(fixed or {})
+        base = {"block_co": 64 if spec.out_channels <= 64 else 128, "block_p": 128, "wgn": 1, **fixed}
+        reasons = []
+        order = [(b, s) for b, s in ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
+                 if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
+        for blocks, stages in order or [(fixed["min_blocks"], fixed["stages"])]:
+            cand = {**base, "stages": stages, "min_blocks": blocks}
+            try:
+                self.check_tiles(spec, cand)
+            except Unsupported as exc:
+                reasons.append(str(exc))
+                continue
+            return cand
+        raise Unsupported(f"no tile configuration fits ({reasons[0]})")
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        t = dict(spec.tiles)
+        lay = self.layout(spec, t)
+        (kh, kw) = spec.kernel_size
+        esize = _esize(spec)
+        bk = 128 // esize
+        kt = kh * kw * -(-spec.in_channels // bk)
+        wbytes = spec.out_channels * kt * 128
+        ws_x = -(-wbytes // 256) * 256
+        return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "WN": lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
+                "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"], "WS_X_OFFSET": ws_x,
+                # the repacked weights, then room for a dense copy of the input (TF32 rounds it;
+                # 16-bit inputs the TMA cannot address are copied)
+                "WORKSPACE_BYTES": ws_x, "WORKSPACE_PER_INPUT": esize}
+
+
+nhwc_tma = NhwcTmaFamily(
+    name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc",),
+    dtypes=("float32", "float16", "bfloat16"), tf32=True,
+    tiles={"block_co": (64, 128, 256), "block_p": (128, 256, 64), "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
+           "min_blocks": (1, 2)},
+)
+
+FAMILIES = (nhwc_tma,)

@@ -1,0 +1,138 @@
+"""CPU-tier tests of the `nhwc_tma` family (channels_last implicit GEMM fed by the TMA's im2col
+mode, sm_90a): no GPU needed.
+
+What they cover: which channels_last calls the dispatcher sends to it on Hopper and which stay
+with `nhwc` (short reductions, TF32 over windows that read the input under four times, strict
+float32, groups, targets before Hopper), that its refusals name the reason, that default and
+forced tiles fit and agree with the template's layout, and (with nvcc) that every dtype lowers to
+wgmma fed by TMA im2col and tiled copies through mbarriers, with no spills.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernelgen import dispatch
+from kernelgen.errors import ConvArgumentError
+from kernelgen.families import get_family
+from kernelgen.families.nhwc_tma import SM_SMEM, SMEM_LIMIT
+from kernelgen.spec import ConvSpec, Problem
+from lowering import NVCC, lower
+
+FAM = get_family("nhwc_tma")
+
+
+def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, dilation=1, groups=1, family=None, tiles=None,
+            arch="sm_90a", bias=False):
+    params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
+                  dilation=dilation, groups=groups, dtype=dtype, bias=bias)
+    P, Q = ConvSpec(**params).output_size(x[2], x[3])
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
+    return dispatch.choose(params, "cuda", problem, True, math if dtype == "float32" else "ieee",
+                           family=family, tiles=tiles)
+
+
+VGG64 = dict(x=(8, 64, 224, 224), w=(64, 64, 3, 3), padding=1)
+VGG256 = dict(x=(8, 256, 56, 56), w=(256, 256, 3, 3), padding=1)
+S2 = dict(x=(32, 128, 56, 56), w=(128, 128, 3, 3), stride=2, padding=1)
+PW = dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1))  # one k-tile of bf16, two of float32
+DOWN = dict(x=(32, 256, 56, 56), w=(512, 256, 1, 1), stride=2)
+
+
+@pytest.mark.parametrize("layer,tf32,bf16", [
+    (VGG64, "nhwc_tma", "nhwc_tma"), (VGG256, "nhwc_tma", "nhwc_tma"),
+    (S2, "nhwc", "nhwc_tma"),  # TF32: 9 taps over stride 2 x 2 read the rounded copy 2.25 times
+    (PW, "nhwc", "nhwc"),  # reductions under 4 k-tiles
+    (DOWN, "nhwc", "nhwc_tma"),  # TF32: a 1x1 stride-2 window reads a quarter of the copy once
+])
+def test_hopper_takes_it_for_long_reductions(layer, tf32, bf16):
+    assert _choose(**layer).family == tf32
+    assert _choose(**layer, dtype="bfloat16").family == bf16
+    assert _choose(**layer, dtype="float16").family == bf16
+    assert _choose(**layer, math="ieee").family == "nhwc"  # strict float32: nhwc's 3xTF32
+    assert _choose(**layer, dtype="bfloat16", arch="sm_80").family == "nhwc"
+    assert _choose(**layer, dtype="bfloat16", arch="sm_90").family == "nhwc"  # wgmma needs the 'a' target
+
+
+def test_what_it_does_not_take():
+    # grouped layers, channels in under a 16-byte chunk, output channels likewise
+    assert _choose((8, 64, 28, 28), (64, 32, 3, 3), groups=2, padding=1).family == "nhwc"
+    # 12 float32 channels are whole chunks (the k-tile's other 20 are zero-filled); 12 bf16 are not
+    assert _choose((8, 12, 28, 28), (64, 12, 3, 3), padding=1).family == "nhwc_tma"
+    assert _choose((8, 12, 28, 28), (64, 12, 3, 3), dtype="bfloat16", padding=1).family == "direct"
+    assert _choose((8, 64, 28, 28), (30, 64, 3, 3), dtype="bfloat16", padding=1).family == "nhwc"
+
+
+def test_refusals_say_why():
+    with pytest.raises(ConvArgumentError, match="groups=1"):
+        _choose((8, 64, 28, 28), (64, 32, 3, 3), groups=2, family="nhwc_tma")
+    with pytest.raises(ConvArgumentError, match="3xTF32"):
+        _choose(**VGG64, math="ieee", family="nhwc_tma")
+    with pytest.raises(ConvArgumentError, match="16-byte chunks"):
+        _choose((8, 64, 28, 28), (30, 64, 3, 3), dtype="bfloat16", family="nhwc_tma")
+    with pytest.raises(ConvArgumentError, match="need sm_90a"):
+        _choose(**VGG64, family="nhwc_tma", arch="sm_80")
+    with pytest.raises(ConvArgumentError, match="im2col box"):
+        _choose((1, 8, 300, 300), (8, 8, 3, 3), dilation=100, family="nhwc_tma")
+    with pytest.raises(ConvArgumentError, match="steps 8 pixels"):
+        _choose((1, 8, 300, 300), (8, 8, 9, 9), stride=9, family="nhwc_tma")
+    with pytest.raises(ConvArgumentError, match="shared memory"):
+        _choose(**VGG64, family="nhwc_tma", tiles={"block_co": 256, "block_p": 256, "stages": 4})
+    with pytest.raises(ConvArgumentError, match="registers"):
+        _choose(**VGG256, dtype="bfloat16", family="nhwc_tma",
+                tiles={"block_co": 256, "block_p": 256, "wgn": 1, "stages": 3, "min_blocks": 1})
+    with pytest.raises(ConvArgumentError, match="staged output tile"):
+        _choose(**VGG64, family="nhwc_tma", tiles={"block_co": 256, "block_p": 256, "stages": 2, "min_blocks": 1})
+
+
+@pytest.mark.parametrize("layer", [VGG64, VGG256, S2, DOWN])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_tiles_fit(layer, dtype):
+    spec = _choose(**layer, dtype=dtype, family="nhwc_tma")
+    t = dict(spec.tiles)
+    lay = FAM.layout(spec, t)
+    # 64 output channels a block where the layer has no more; 128 pixels; two blocks an SM with a
+    # ring of three slots or more
+    assert t["block_co"] == (64 if layer["w"][0] <= 64 else 128) and t["block_p"] == 128 and t["wgn"] == 1
+    assert t["min_blocks"] == 2 and t["stages"] >= 3
+    assert 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and lay["SMEM_BYTES"] <= SMEM_LIMIT
+    assert lay["REGS"] * lay["NTH"] * 2 <= 65536 and lay["STAGED"] <= lay["RING"]
+    ctx = spec.template_context()
+    assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["WN"] == 128 and ctx["BCO"] == t["block_co"]
+    # the weights repacked in whole k-tiles, then room for a dense copy of the input
+    esize = 4 if dtype == "float32" else 2
+    kt = layer["w"][2] * layer["w"][3] * -(-layer["w"][1] * esize // 128)
+    assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-layer["w"][0] * kt * 128 // 256) * 256
+    assert ctx["WORKSPACE_PER_INPUT"] == esize
+
+
+def test_forced_tiles_hold():
+    spec = _choose(**VGG256, dtype="bfloat16", family="nhwc_tma",
+                   tiles={"block_co": 64, "block_p": 256, "wgn": 2, "stages": 3})
+    t = dict(spec.tiles)
+    assert (t["block_co"], t["block_p"], t["wgn"], t["stages"]) == (64, 256, 2, 3)
+    assert FAM.layout(spec, t)["NTH"] == 2 * 128 + 32
+    assert spec.template_context()["WN"] == 128
+
+
+@pytest.mark.nvcc
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("layer,dtype,bias,tiles", [
+    (VGG64, "float32", True, None), (VGG64, "bfloat16", False, None), (S2, "float16", True, None),
+    (VGG256, "bfloat16", True, {"block_p": 256, "wgn": 2}),
+    (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1}),
+])
+def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, tiles, tmp_path):
+    spec = _choose(**layer, dtype=dtype, bias=bias, family="nhwc_tma", tiles=tiles)
+    text, report = lower(spec, tmp_path)
+    t = dict(spec.tiles)
+    ab = {"float32": "tf32.tf32", "bfloat16": "bf16.bf16", "float16": "f16.f16"}[dtype]
+    wn = t["block_p"] // t["wgn"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{wn}k{8 if dtype == 'float32' else 16}.f32.{ab}" in text
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes" in text
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    assert "mbarrier.try_wait.parity" in text and "mma.sync" not in text and "cp.async.cg" not in text
+    assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
+    # the main kernel, the weight repack, the strided copy and the dense rounding copy
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4, report
