@@ -32,6 +32,15 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    reads: 0.101 / 0.097); 256->1024 1x1 on 14 x 14 bf16 0.033 / 0.037 (TF32, one read: 0.049 /
    0.053). Shorter reductions lose: 64->256 1x1 on 56 x 56 (one k-tile in bf16) 0.069 / 0.063, and
    so does TF32 over strided or 1x1 windows: 256->512 1x1 stride 2 0.144 / 0.082.
+   NCHW calls too (the input transposed into the workspace as for nhwc, the output written
+   straight from the accumulators), for the k x k layers nhwc would take. Same process, ms
+   (nhwc_tma / nhwc / F.conv2d), TF32 then bf16: 256->256 3x3 on 8 x 56 x 56 0.170 / 0.198 /
+   0.183-0.196 and 0.109 / 0.127 / 0.086-0.089; on 32 x 14 x 14 0.066 / 0.082 / 0.062 and 0.054 /
+   0.072 / 0.051-0.075; 128->128 3x3 on 32 x 28 x 28 0.069 / 0.092 / 0.068 and 0.055 / 0.060 /
+   0.052; stride 2 from 56 x 56 0.109 / 0.124 / 0.102-0.105 and 0.078 / 0.085 / 0.071; 512->512 3x3
+   on 7 x 7 0.118 / 0.121 and 0.080 / 0.084. Its 1x1 NCHW layers were even or slower: 2048->512 on
+   7 x 7 0.075 / 0.072 and 0.056 / 0.054; 256->1024 on 14 x 14 TF32 0.061 / 0.057; 256->512
+   stride 2 0.157 / 0.154 and 0.130 / 0.134.
    nhwc: channels_last calls (the families below take NCHW only) whose channels per group
    fill whole 16-byte chunks (4 float32, 8 bf16/fp16) into an even number of output channels
    a group: one implicit GEMM over the whole batch on tensor cores. H100, batch 32, ms (nhwc /
@@ -231,6 +240,8 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
     if name == "nhwc_tma":
         (sh, sw), esize = spec.stride, (4 if spec.dtype == "float32" else 2)
         k_tiles = kh * kw * -(-spec.in_channels * esize // 128)
+        if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)
+            return k_tiles >= 4 and kh * kw > 1 and _worth_it("nhwc", spec, problem, math)
         return k_tiles >= 4 and (spec.dtype != "float32" or kh * kw >= 4 * sh * sw)
     if name == "nhwc":
         # channels_last calls: always (the NCHW families do not take them). NCHW calls: the 1x1

@@ -51,6 +51,11 @@ HOPPER_CL = {"l1.3x3": ("nhwc_tma", "nhwc_tma"), "l2.3x3.s2": ("nhwc", "nhwc_tma
              "l2.down.s2": ("nhwc", "nhwc_tma"), "l4.3x3": ("nhwc_tma", "nhwc_tma"), "l4.1x1": ("nhwc", "nhwc_tma")}
 
 
+def _tma(family, kernel):
+    """On Hopper nhwc_tma takes the NCHW k x k layers nhwc would (TF32 and 16-bit; 1x1 ones stay)."""
+    return "nhwc_tma" if family == "nhwc" and tuple(kernel) != (1, 1) else family
+
+
 def _nhwc(*args, **kw):
     """The `nhwc` family's own choice of tiles (on Hopper the dispatcher may pick nhwc_tma)."""
     return _choose(*args, **kw, family="nhwc")
@@ -68,7 +73,10 @@ def test_channels_last_layers_go_to_nhwc_and_nchw_ones_on_small_planes(name, dty
     assert spec.family == "nhwc" and spec.layout == "nhwc" and spec.math == math
     nchw = _choose(**R50[name], dtype=dtype, math=math, channels_last=False)
     if name in SMALL_PLANES:
-        assert nchw.family == "nhwc" and nchw.layout == "nchw" and nchw.math == math
+        want = "nhwc" if strict else _tma("nhwc", R50[name]["w"][2:])
+        assert nchw.family == want and nchw.layout == "nchw" and nchw.math == math
+        nchw = _choose(**R50[name], dtype=dtype, math=math, channels_last=False, arch="sm_80")
+        assert nchw.family == "nhwc" and nchw.layout == "nchw"
     else:  # 56 x 56: the NCHW families' per-image tiles are full, and no transpose to pay
         assert nchw.family == "wgmma" and nchw.layout == "nchw"
 
@@ -77,10 +85,11 @@ def test_nchw_calls_keep_their_families_where_grouped_or_large():
     # grouped (ResNeXt's 32 groups on 14 x 14), a plane just over 32 x 32, and the five cases' planes
     assert _choose((32, 512, 14, 14), (512, 16, 3, 3), groups=32, padding=1, channels_last=False).family == "igemm"
     assert _choose((8, 64, 33, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "wgmma"
-    assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "nhwc"
+    assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "nhwc_tma"
+    assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, channels_last=False, arch="sm_80").family == "nhwc"
     assert _choose((16, 64, 1024, 1024), (128, 64, 1, 1), channels_last=False).family == "pointwise"
     # too few channels for a 16-byte chunk: the NCHW families, as before
-    assert _choose((32, 3, 14, 14), (64, 3, 3, 3), padding=1, channels_last=False).family != "nhwc"
+    assert _choose((32, 3, 14, 14), (64, 3, 3, 3), padding=1, channels_last=False).family not in ("nhwc", "nhwc_tma")
 
 
 @pytest.mark.parametrize("x, w, kw, tf32, bf16", [
@@ -111,8 +120,9 @@ def test_nchw_calls_keep_their_families_where_grouped_or_large():
     ((16, 16, 1024, 1024), (128, 16, 3, 3), {}, "wgmma", "wgmma"),
 ])
 def test_nchw_layers_on_large_planes(x, w, kw, tf32, bf16):
-    assert _choose(x, w, channels_last=False, **kw).family == tf32
-    assert _choose(x, w, dtype="bfloat16", channels_last=False, **kw).family == bf16
+    assert _choose(x, w, channels_last=False, **kw).family == _tma(tf32, w[2:])
+    assert _choose(x, w, dtype="bfloat16", channels_last=False, **kw).family == _tma(bf16, w[2:])
+    assert _choose(x, w, channels_last=False, arch="sm_80", **kw).family != "nhwc_tma"  # Hopper only
     # strict float32 moves to nhwc on planes up to 32 x 32 only (elsewhere wgmma's 3xTF32 wins)
     small = (x[2] // kw.get("stride", 1)) * (x[3] // kw.get("stride", 1)) <= 1024
     assert (_choose(x, w, math="ieee", channels_last=False, **kw).family == "nhwc") == small

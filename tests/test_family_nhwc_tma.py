@@ -23,12 +23,12 @@ FAM = get_family("nhwc_tma")
 
 
 def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, dilation=1, groups=1, family=None, tiles=None,
-            arch="sm_90a", bias=False):
+            arch="sm_90a", bias=False, channels_last=True):
     params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
                   dilation=dilation, groups=groups, dtype=dtype, bias=bias)
     P, Q = ConvSpec(**params).output_size(x[2], x[3])
     problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
-    return dispatch.choose(params, "cuda", problem, True, math if dtype == "float32" else "ieee",
+    return dispatch.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
                            family=family, tiles=tiles)
 
 
@@ -54,6 +54,18 @@ def test_hopper_takes_it_for_long_reductions(layer, tf32, bf16):
     assert _choose(**layer, dtype="bfloat16", arch="sm_90").family == "nhwc"  # wgmma needs the 'a' target
 
 
+def test_nchw_calls_where_nhwc_would_take_them_with_a_kernel_over_1x1():
+    # both transpose an NCHW input into their workspace; nhwc_tma's 1x1 NCHW layers were even or slower
+    assert _choose(**VGG256, channels_last=False).family == "nhwc_tma"
+    assert _choose(**S2, dtype="bfloat16", channels_last=False).family == "nhwc_tma"
+    assert _choose((32, 512, 7, 7), (512, 512, 3, 3), padding=1, channels_last=False).family == "nhwc_tma"
+    assert _choose((32, 2048, 7, 7), (512, 2048, 1, 1), channels_last=False).family == "nhwc"
+    assert _choose(**VGG256, math="ieee", channels_last=False).family == "wgmma"  # strict: 3xTF32
+    assert _choose(**VGG64, channels_last=False).family == "wgmma"  # where nhwc does not take it either
+    spec = _choose(**VGG256, channels_last=False, bias=True)
+    assert spec.layout == "nchw" and spec.template_context()["WORKSPACE_PER_INPUT"] == 4
+
+
 def test_what_it_does_not_take():
     # grouped layers, channels in under a 16-byte chunk, output channels likewise
     assert _choose((8, 64, 28, 28), (64, 32, 3, 3), groups=2, padding=1).family == "nhwc"
@@ -76,6 +88,9 @@ def test_refusals_say_why():
         _choose((1, 8, 300, 300), (8, 8, 3, 3), dilation=100, family="nhwc_tma")
     with pytest.raises(ConvArgumentError, match="steps 8 pixels"):
         _choose((1, 8, 300, 300), (8, 8, 9, 9), stride=9, family="nhwc_tma")
+    with pytest.raises(ConvArgumentError, match="1024"):  # 8 consumer warpgroups and the producer
+        _choose(**VGG256, dtype="bfloat16", family="nhwc_tma", tiles={"block_co": 256, "block_p": 64, "wgn": 2,
+                                                                      "stages": 3, "min_blocks": 1})
     with pytest.raises(ConvArgumentError, match="shared memory"):
         _choose(**VGG64, family="nhwc_tma", tiles={"block_co": 256, "block_p": 256, "stages": 4})
     with pytest.raises(ConvArgumentError, match="registers"):
@@ -118,13 +133,16 @@ def test_forced_tiles_hold():
 @pytest.mark.nvcc
 @pytest.mark.compile
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("layer,dtype,bias,tiles", [
-    (VGG64, "float32", True, None), (VGG64, "bfloat16", False, None), (S2, "float16", True, None),
-    (VGG256, "bfloat16", True, {"block_p": 256, "wgn": 2}),
-    (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1}),
+@pytest.mark.parametrize("layer,dtype,bias,tiles,cl", [
+    (VGG64, "float32", True, None, True), (VGG64, "bfloat16", False, None, True), (S2, "float16", True, None, True),
+    (VGG256, "bfloat16", True, {"block_p": 256, "wgn": 2}, True),
+    (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1}, True),
+    # NCHW calls: the input transpose and the direct NCHW epilogue
+    (VGG256, "float32", True, None, False), (S2, "bfloat16", False, {"block_p": 256, "wgn": 2}, False),
 ])
-def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, tiles, tmp_path):
-    spec = _choose(**layer, dtype=dtype, bias=bias, family="nhwc_tma", tiles=tiles)
+def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, tiles, cl, tmp_path):
+    spec = _choose(**layer, dtype=dtype, bias=bias, family="nhwc_tma", tiles=tiles, channels_last=cl)
+    assert spec.layout == ("nhwc" if cl else "nchw")
     text, report = lower(spec, tmp_path)
     t = dict(spec.tiles)
     ab = {"float32": "tf32.tf32", "bfloat16": "bf16.bf16", "float16": "f16.f16"}[dtype]
@@ -134,5 +152,7 @@ def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, ti
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity" in text and "mma.sync" not in text and "cp.async.cg" not in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
-    # the main kernel, the weight repack, the strided copy and the dense rounding copy
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4, report
+    # the main kernel, the weight repack, the strided copy, the dense rounding copy and (NCHW) the
+    # transpose; NCHW tiles leave straight from the accumulators, channels_last ones as 16-byte rows
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4 + (not cl), report
+    assert ("kg_nhwc_transpose" in text) == (not cl) and ("bar.sync 1," in text) == cl  # staging: consumers meet

@@ -635,6 +635,15 @@ def make_nhwc_tma_cases(n: int, seed: int = 6480) -> list[Case]:
     return cases
 
 
+def make_nhwc_tma_nchw_cases(n: int, seed: int = 6491) -> list[Case]:
+    """NCHW calls forced onto `nhwc_tma` (its input transposed into the workspace, its output
+    written straight to NCHW, pairs or single pixels by the plane's parity): make_nhwc_tma_cases'
+    shapes from another seed, on contiguous inputs and strided views."""
+    rng = random.Random(seed)
+    return [replace(c, idx=6700 + i, layout=rng.choice(["contiguous", "strided_view", "weight_slice"]))
+            for i, c in enumerate(make_nhwc_tma_cases(n, seed))]
+
+
 def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
     """NCHW calls forced onto the `nhwc` family (its input transposed into the workspace, its
     output written in NCHW): make_nhwc_cases' shapes from another seed, on contiguous inputs and
@@ -763,7 +772,8 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
-                                make_short_reduction_cases() + make_nhwc_tma_cases(48) if HOPPER else []) +
+                                make_short_reduction_cases() + make_nhwc_tma_cases(48) + make_nhwc_tma_nchw_cases(24)
+                                if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
          make_grouped_nhwc_cases(48) + make_weight_layout_cases(HOPPER))
@@ -1022,6 +1032,16 @@ MEMCHECK = textwrap.dedent("""
                 for offset in (0, 1):
                     run_cl(dtype, (2, 64, 9, 10), (66, 64, 3, 3), offset, padding=1)
                     run_cl(dtype, (3, 64, 11, 9), (34, 64, 1, 1), offset, stride=2)
+        if "nhwc_tma" in fams and torch.cuda.get_device_capability() == (9, 0):
+            # the TMA reading the input where it lies (16-bit) or a copy (TF32, a misaligned start),
+            # ragged pixel and channel tiles, the pixel tile past the last image; NCHW through the
+            # transpose, with an odd plane (pixels stored one by one) and an even one (pairs)
+            for offset in (0, 1):
+                run_cl(dtype, (3, 32, 11, 13), (72, 32, 3, 3), offset, family="nhwc_tma", padding=1, stride=(1, 2))
+            run_cl(dtype, (2, 64, 9, 10), (136, 64, 3, 3), 0, family="nhwc_tma", padding=1,
+                   tiles={{"block_co": 128, "block_p": 256, "wgn": 2, "stages": 3}})
+            run("nhwc_tma", dtype, (3, 40, 9, 12), (40, 40, 3, 3), padding=1)
+            run("nhwc_tma", dtype, (2, 16, 8, 10), (24, 16, 3, 3), view=False, padding=(1, 0))
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)

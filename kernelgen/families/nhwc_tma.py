@@ -12,6 +12,10 @@ Tiles: `block_co` output channels a block (64 a consumer warpgroup along them); 
 a block, split between `wgn` warpgroups along them (wgmma's N is block_p / wgn); `stages` ring
 slots; `min_blocks` blocks an SM the launch bounds ask for.
 
+NCHW calls (layout 'nchw') take one more pass, as in `nhwc`: the input is transposed into the
+workspace as dense NHWC (rounded for TF32), and the epilogue writes each output channel's pixel
+pairs straight to the NCHW output.
+
 It serves sm_90a, groups of one, TF32 and 16-bit (wgmma truncates float32 operands, so a TF32
 input is rounded into the workspace first, and strict float32 stays with `nhwc`'s 3xTF32), input
 and output channels in whole 16-byte chunks, and windows the TMA's im2col box can describe.
@@ -72,6 +76,9 @@ class NhwcTmaFamily(Family):
         lay = self.layout(spec, tiles)
         if lay["BP"] % lay["WGN"] or (lay["BP"] // lay["WGN"]) % 8 or lay["BP"] // lay["WGN"] > 256:
             raise Unsupported(f"nhwc_tma: {lay['BP']} pixels cannot be split into {lay['WGN']} wgmma N of 8-256")
+        if lay["NTH"] > 1024:
+            raise Unsupported(f"nhwc_tma: {lay['NTH']} threads exceed a block's 1024 ({lay['BCO'] // 64 * lay['WGN']} "
+                              "consumer warpgroups and the producer warp)")
         if lay["SMEM_BYTES"] > SMEM_LIMIT:
             raise Unsupported(f"nhwc_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
         if lay["STAGED"] > lay["RING"]:
@@ -122,7 +129,7 @@ class NhwcTmaFamily(Family):
 
 
 nhwc_tma = NhwcTmaFamily(
-    name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc",),
+    name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_co": (64, 128, 256), "block_p": (128, 256, 64), "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2)},
