@@ -31,7 +31,9 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.063 and 0.055 / 0.063 / 0.046; 128->128 3x3 stride 2 bf16 0.041 / 0.049 / 0.048 (TF32, 2.25
    reads: 0.101 / 0.097); 256->1024 1x1 on 14 x 14 bf16 0.033 / 0.037 (TF32, one read: 0.049 /
    0.053). Shorter reductions lose: 64->256 1x1 on 56 x 56 (one k-tile in bf16) 0.069 / 0.063, and
-   so does TF32 over strided or 1x1 windows: 256->512 1x1 stride 2 0.144 / 0.082.
+   so does TF32 over strided or 1x1 windows: 256->512 1x1 stride 2 0.144 / 0.082. (Its TF32
+   tiles of 64 output channels have since rounded in shared memory instead of copying: 64->64
+   3x3 on 8 x 224 x 224 0.227 against the copy's 0.278; nhwc_tma.py.)
    NCHW calls too (the input transposed into the workspace as for nhwc, the output written
    straight from the accumulators), for the k x k layers nhwc would take. Same process, ms
    (nhwc_tma / nhwc / F.conv2d), TF32 then bf16: 256->256 3x3 on 8 x 56 x 56 0.170 / 0.198 /

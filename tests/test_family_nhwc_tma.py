@@ -91,6 +91,10 @@ def test_refusals_say_why():
     with pytest.raises(ConvArgumentError, match="1024"):  # 8 consumer warpgroups and the producer
         _choose(**VGG256, dtype="bfloat16", family="nhwc_tma", tiles={"block_co": 256, "block_p": 64, "wgn": 2,
                                                                       "stages": 3, "min_blocks": 1})
+    with pytest.raises(ConvArgumentError, match="round_smem"):
+        _choose(**VGG64, dtype="bfloat16", family="nhwc_tma", tiles={"round_smem": 4})
+    with pytest.raises(ConvArgumentError, match="round_smem"):
+        _choose(**VGG64, channels_last=False, family="nhwc_tma", tiles={"round_smem": 4})
     with pytest.raises(ConvArgumentError, match="shared memory"):
         _choose(**VGG64, family="nhwc_tma", tiles={"block_co": 256, "block_p": 256, "stages": 4})
     with pytest.raises(ConvArgumentError, match="registers"):
@@ -110,10 +114,13 @@ def test_default_tiles_fit(layer, dtype):
     # ring of three slots or more
     assert t["block_co"] == (64 if layer["w"][0] <= 64 else 128) and t["block_p"] == 128 and t["wgn"] == 1
     assert t["min_blocks"] == 2 and t["stages"] >= 3
+    # TF32 rounds 64-channel tiles' pixels in shared memory (4 warps), others take a rounded copy
+    assert t["round_smem"] == (4 if dtype == "float32" and t["block_co"] == 64 else 0)
     assert 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and lay["SMEM_BYTES"] <= SMEM_LIMIT
     assert lay["REGS"] * lay["NTH"] * 2 <= 65536 and lay["STAGED"] <= lay["RING"]
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["WN"] == 128 and ctx["BCO"] == t["block_co"]
+    assert lay["NTH"] == 128 * t["block_co"] // 64 + 32 + 32 * t["round_smem"]
     # the weights repacked in whole k-tiles, then room for a dense copy of the input
     esize = 4 if dtype == "float32" else 2
     kt = layer["w"][2] * layer["w"][3] * -(-layer["w"][1] * esize // 128)
@@ -135,6 +142,7 @@ def test_forced_tiles_hold():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("layer,dtype,bias,tiles,cl", [
     (VGG64, "float32", True, None, True), (VGG64, "bfloat16", False, None, True), (S2, "float16", True, None, True),
+    (VGG64, "float32", False, {"round_smem": 0}, True),  # the rounded copy instead of rounding warps
     (VGG256, "bfloat16", True, {"block_p": 256, "wgn": 2}, True),
     (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1}, True),
     # NCHW calls: the input transpose and the direct NCHW epilogue

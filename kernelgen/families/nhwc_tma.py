@@ -10,7 +10,9 @@ warpgroups wait on mbarriers, multiply, and release their slot; no block barrier
 
 Tiles: `block_co` output channels a block (64 a consumer warpgroup along them); `block_p` pixels
 a block, split between `wgn` warpgroups along them (wgmma's N is block_p / wgn); `stages` ring
-slots; `min_blocks` blocks an SM the launch bounds ask for.
+slots; `min_blocks` blocks an SM the launch bounds ask for; `round_smem` (TF32 channels_last) the
+warps that round each landed slot's pixels in shared memory instead of a rounded copy of the
+input (0: the copy).
 
 NCHW calls (layout 'nchw') take one more pass, as in `nhwc`: the input is transposed into the
 workspace as dense NHWC (rounded for TF32), and the epilogue writes each output channel's pixel
@@ -49,11 +51,12 @@ class NhwcTmaFamily(Family):
         esize = _esize(spec)
         stage = (bco + bp) * 128
         ncw = bco // 64 * wgn
-        return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "NTH": 128 * ncw + 32,
+        rounders = 32 * tiles.get("round_smem", 0)  # its rounding warps' threads
+        return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "NTH": 128 * ncw + 32 + rounders,
                 "SMEM_BYTES": stages * stage + 1024,  # 1 KB more to start the ring on a swizzle pattern
                 "STAGED": bp * (bco + 16 // esize) * esize, "RING": stages * stage,
-                # accumulators (wgmma's N / 2 a thread), the staging loop and addresses
-                "REGS": bp // wgn // 2 + 40}
+                # accumulators (wgmma's N / 2 a thread) and the rest (ptxas: 90-96 at N 128)
+                "REGS": bp // wgn // 2 + 32}
 
     def check_shape(self, spec: "ConvSpec") -> None:
         vec = 16 // _esize(spec)
@@ -74,6 +77,9 @@ class NhwcTmaFamily(Family):
 
     def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
         lay = self.layout(spec, tiles)
+        if tiles.get("round_smem", 0) and not (spec.dtype == "float32" and spec.layout == "nhwc"):
+            raise Unsupported("nhwc_tma: round_smem rounds TF32 channels_last inputs (16-bit needs no rounding, and "
+                              "an NCHW input is rounded in its transpose)")
         if lay["BP"] % lay["WGN"] or (lay["BP"] // lay["WGN"]) % 8 or lay["BP"] // lay["WGN"] > 256:
             raise Unsupported(f"nhwc_tma: {lay['BP']} pixels cannot be split into {lay['WGN']} wgmma N of 8-256")
         if lay["NTH"] > 1024:
@@ -94,11 +100,20 @@ class NhwcTmaFamily(Family):
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
         """64 output channels a block where the layer has no more, else 128; 128 pixels in one
         warpgroup along them; the deepest ring (up to 6) that lets two blocks share an SM with three
-        slots or more, else one block's."""
+        slots or more, else one block's.
+
+        round_smem: 4 rounding warps for TF32 channels_last tiles of 64 output channels, else the
+        rounded copy. H100, same process, ms (copy / 1, 2, 4 warps): 64->64 3x3 on 8 x 224 x 224
+        0.278 / 0.310, 0.258, 0.227; on 32 x 56 x 56 0.111 / 0.126, 0.114, 0.103; 256->256 3x3 on
+        8 x 56 x 56 (128-channel tiles, where the rounding warps cost the second block an SM or
+        keep pace with twice the MMAs) 0.178 / 0.252, 0.238, 0.199; 512->512 3x3 on 7 x 7 0.112 /
+        0.230, 0.159, 0.135."""
         if problem.arch != "sm_90a":
             raise Unsupported(f"nhwc_tma: the TMA's im2col mode and wgmma need sm_90a (target {problem.arch or 'unknown'})")
         fixed = dict(fixed or {})
-        base = {"block_co": 64 if spec.out_channels <= 64 else 128, "block_p": 128, "wgn": 1, **fixed}
+        bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
+        tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
+        base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": 4 if tf32_cl and bco == 64 else 0, **fixed}
         reasons = []
         order = [(b, s) for b, s in ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
                  if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
@@ -122,6 +137,7 @@ class NhwcTmaFamily(Family):
         wbytes = spec.out_channels * kt * 128
         ws_x = -(-wbytes // 256) * 256
         return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "WN": lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
+                "ROUND_SMEM": t.get("round_smem", 0),
                 "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"], "WS_X_OFFSET": ws_x,
                 # the repacked weights, then room for a dense copy of the input (TF32 rounds it;
                 # 16-bit inputs the TMA cannot address are copied)
@@ -132,7 +148,7 @@ nhwc_tma = NhwcTmaFamily(
     name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_co": (64, 128, 256), "block_p": (128, 256, 64), "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
-           "min_blocks": (1, 2)},
+           "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4)},
 )
 
 FAMILIES = (nhwc_tma,)
