@@ -12,8 +12,7 @@ Tiles: `block_co` output channels a block (64 a consumer warpgroup along them); 
 a block, split between `wgn` warpgroups along them (wgmma's N is block_p / wgn); `stages` ring
 slots; `min_blocks` blocks an SM the launch bounds ask for; `round_smem` (TF32 channels_last) the
 warps that round each landed slot's pixels in shared memory instead of a rounded copy of the
-input (0: the copy); `persist` a grid of the blocks that fit the card, each walking tiles, its
-output staged apart from the ring (0: one block a tile).
+input (0: the copy).
 
 NCHW calls (layout 'nchw') take one more pass, as in `nhwc`: the input is transposed into the
 workspace as dense NHWC (rounded for TF32), and the epilogue writes each output channel's pixel
@@ -35,19 +34,13 @@ from .base import Family
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-SMEM_LIMIT = 227 * 1024  # per block, opt-in (dynamic and static together)
+SMEM_LIMIT = 227 * 1024  # per block, opt-in
 SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit signed
 
 
 def _esize(spec: "ConvSpec") -> int:
     return 4 if spec.dtype == "float32" else 2
-
-
-def reg_cap(threads: int, blocks: int) -> int:
-    """Registers a thread may use when `blocks` blocks of `threads` share an SM's 65536: ptxas
-    counts warps in fours and registers in eights (672 threads, two blocks: 40)."""
-    return min(255, 65536 // (blocks * -(-threads // 128) * 128) // 8 * 8)
 
 
 @dataclass(frozen=True)
@@ -59,17 +52,11 @@ class NhwcTmaFamily(Family):
         stage = (bco + bp) * 128
         ncw = bco // 64 * wgn
         rounders = 32 * tiles.get("round_smem", 0)  # its rounding warps' threads
-        staged = bp * (bco + 16 // esize) * esize  # the output tile, 16 bytes of padding a row
-        own = tiles.get("persist", 0) == 1 and spec.layout == "nhwc"  # staged apart from the ring
         return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "NTH": 128 * ncw + 32 + rounders,
-                # 1 KB more to start the ring on a swizzle pattern
-                "SMEM_BYTES": stages * stage + (staged if own else 0) + 1024,
-                "STAGED": 0 if own else staged, "RING": stages * stage,
-                # the three mbarriers a slot, in static shared memory
-                "STATIC": 24 * stages,
-                # accumulators (wgmma's N / 2 a thread) and the rest: ptxas fits N 128 in 80 without
-                # spills, and asked 42 for N 32
-                "REGS": max(bp // wgn // 2 + 16, 48)}
+                "SMEM_BYTES": stages * stage + 1024,  # 1 KB more to start the ring on a swizzle pattern
+                "STAGED": bp * (bco + 16 // esize) * esize, "RING": stages * stage,
+                # accumulators (wgmma's N / 2 a thread) and the rest (ptxas: 90-96 at N 128)
+                "REGS": bp // wgn // 2 + 32}
 
     def check_shape(self, spec: "ConvSpec") -> None:
         vec = 16 // _esize(spec)
@@ -98,12 +85,12 @@ class NhwcTmaFamily(Family):
         if lay["NTH"] > 1024:
             raise Unsupported(f"nhwc_tma: {lay['NTH']} threads exceed a block's 1024 ({lay['BCO'] // 64 * lay['WGN']} "
                               "consumer warpgroups and the producer warp)")
-        if lay["SMEM_BYTES"] + lay["STATIC"] > SMEM_LIMIT:
+        if lay["SMEM_BYTES"] > SMEM_LIMIT:
             raise Unsupported(f"nhwc_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
         if lay["STAGED"] > lay["RING"]:
             raise Unsupported(f"nhwc_tma: the staged output tile ({lay['STAGED']} bytes) does not fit the ring")
         blocks = tiles.get("min_blocks", 1)
-        if lay["REGS"] > reg_cap(lay["NTH"], blocks):
+        if lay["REGS"] * lay["NTH"] * blocks > 65536:
             raise Unsupported(f"nhwc_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers exceed "
                               "the SM's 65536 (wgmma's accumulators stay in registers)")
         if blocks * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
@@ -114,14 +101,6 @@ class NhwcTmaFamily(Family):
         """64 output channels a block where the layer has no more, else 128; 128 pixels in one
         warpgroup along them; the deepest ring (up to 6) that lets two blocks share an SM with three
         slots or more, else one block's.
-
-        persist: 16-bit channels_last tiles of 64 output channels. H100, same process, ms (one
-        block a tile / persistent), bf16: 64->64 3x3 on 8 x 224 x 224 0.115 / 0.101 and 0.134 /
-        0.114; on 4 x 256 x 256 0.083 / 0.075; on 32 x 56 x 56 0.046 / 0.043 and 0.061 / 0.059. TF32
-        was even there (0.223 / 0.224), and 128-channel tiles, whose staging then leaves room for
-        one block an SM, were even or slower (bf16 256->256 3x3 on 32 x 14 x 14 0.049 / 0.054;
-        128->128 on 28 x 28 0.048 / 0.055), as were NCHW calls (256->256 3x3 on 8 x 56 x 56 TF32
-        0.146 / 0.172).
 
         round_smem: 4 rounding warps for TF32 channels_last tiles of 64 output channels, else the
         rounded copy. H100, same process, ms (copy / 1, 2, 4 warps): 64->64 3x3 on 8 x 224 x 224
@@ -134,9 +113,7 @@ class NhwcTmaFamily(Family):
         fixed = dict(fixed or {})
         bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
         tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
-        wide_cl = spec.dtype != "float32" and spec.layout == "nhwc"
-        base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": 4 if tf32_cl and bco == 64 else 0,
-                "persist": 1 if wide_cl and bco == 64 else 0, **fixed}
+        base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": 4 if tf32_cl and bco == 64 else 0, **fixed}
         reasons = []
         order = [(b, s) for b, s in ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
                  if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
@@ -160,6 +137,7 @@ class NhwcTmaFamily(Family):
         wbytes = spec.out_channels * kt * 128
         ws_x = -(-wbytes // 256) * 256
         return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "WN": lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
+                "ROUND_SMEM": t.get("round_smem", 0),
                 "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"], "WS_X_OFFSET": ws_x,
                 # the repacked weights, then room for a dense copy of the input (TF32 rounds it;
                 # 16-bit inputs the TMA cannot address are copied)
@@ -170,7 +148,7 @@ nhwc_tma = NhwcTmaFamily(
     name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_co": (64, 128, 256), "block_p": (128, 256, 64), "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
-           "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1)},
+           "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4)},
 )
 
 FAMILIES = (nhwc_tma,)
