@@ -15,7 +15,7 @@ import pytest
 from kernelgen import dispatch
 from kernelgen.errors import ConvArgumentError
 from kernelgen.families import get_family
-from kernelgen.families.nhwc_tma import SM_SMEM, SMEM_LIMIT
+from kernelgen.families.nhwc_tma import SM_SMEM, SMEM_LIMIT, reg_cap
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
@@ -117,7 +117,7 @@ def test_default_tiles_fit(layer, dtype):
     # TF32 rounds 64-channel tiles' pixels in shared memory (4 warps), others take a rounded copy
     assert t["round_smem"] == (4 if dtype == "float32" and t["block_co"] == 64 else 0)
     assert 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and lay["SMEM_BYTES"] <= SMEM_LIMIT
-    assert lay["REGS"] * lay["NTH"] * 2 <= 65536 and lay["STAGED"] <= lay["RING"]
+    assert lay["REGS"] <= reg_cap(lay["NTH"], 2) and lay["STAGED"] <= lay["RING"]
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["WN"] == 128 and ctx["BCO"] == t["block_co"]
     assert lay["NTH"] == 128 * t["block_co"] // 64 + 32 + 32 * t["round_smem"]
@@ -126,6 +126,24 @@ def test_default_tiles_fit(layer, dtype):
     kt = layer["w"][2] * layer["w"][3] * -(-layer["w"][1] * esize // 128)
     assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-layer["w"][0] * kt * 128 // 256) * 256
     assert ctx["WORKSPACE_PER_INPUT"] == esize
+
+
+def test_register_and_shared_memory_budgets_follow_ptxas_and_the_driver():
+    # ptxas counts warps in fours: 672 threads in two blocks get 40 registers, 288 get 80
+    assert reg_cap(672, 2) == 40 and reg_cap(288, 2) == 80 and reg_cap(160, 2) == 128
+    # tile classes ptxas refused at two blocks an SM (it asked 90, 58 and 42 registers)
+    for tiles in ({"block_co": 128, "round_smem": 2}, {"block_co": 256, "block_p": 64},
+                  {"block_co": 128, "block_p": 64, "wgn": 2, "round_smem": 4}):
+        with pytest.raises(ConvArgumentError, match="registers"):
+            _choose((2, 16, 9, 9), (48, 16, 7, 7), stride=2, padding=1, family="nhwc_tma",
+                    tiles={**tiles, "stages": 3, "min_blocks": 2})
+    # the defaults of 64- and 128-channel tiles keep two blocks an SM
+    assert dict(_choose(**VGG64, family="nhwc_tma").tiles)["min_blocks"] == 2
+    assert dict(_choose(**VGG256, family="nhwc_tma").tiles)["min_blocks"] == 2
+    # the mbarriers' static shared memory counts against the 227 KB too
+    spec = _choose(**VGG256, family="nhwc_tma", tiles={"stages": 7, "min_blocks": 1})
+    lay = FAM.layout(spec, dict(spec.tiles))
+    assert lay["STATIC"] == 24 * 7 and lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
 
 
 def test_forced_tiles_hold():

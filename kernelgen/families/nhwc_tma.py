@@ -34,13 +34,28 @@ from .base import Family
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-SMEM_LIMIT = 227 * 1024  # per block, opt-in
+SMEM_LIMIT = 227 * 1024  # per block, opt-in (dynamic and static together)
 SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit signed
 
 
 def _esize(spec: "ConvSpec") -> int:
     return 4 if spec.dtype == "float32" else 2
+
+
+def reg_cap(threads: int, blocks: int) -> int:
+    """Registers a thread may use when `blocks` blocks of `threads` share an SM's 65536: ptxas
+    counts warps in fours and registers in eights (672 threads, two blocks: 40)."""
+    return min(255, 65536 // (blocks * -(-threads // 128) * 128) // 8 * 8)
+
+
+def _regs(wn: int, ncw: int, rw: int) -> int:
+    """Registers a thread needs: wgmma's N / 2 accumulators and 16 more, or 26 more for the tile
+    classes where ptxas asked for them at two blocks an SM (scratch sweep of 75 tile choices with
+    ptxas 13.0: N 256 asked 154; N 128 with 2 consumer warpgroups and 2 rounding warps 90, where 0
+    or 1 fit 80; N 64 with 4 warpgroups 58; N 32 with 4 and 4 rounding warps 42, where 2 fit 48)."""
+    more = wn >= 256 or (ncw >= 2 and rw >= 2) or (ncw >= 4 and (wn >= 64 or rw >= 4))
+    return max(wn // 2 + (26 if more else 16), 48)
 
 
 @dataclass(frozen=True)
@@ -55,8 +70,9 @@ class NhwcTmaFamily(Family):
         return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "NTH": 128 * ncw + 32 + rounders,
                 "SMEM_BYTES": stages * stage + 1024,  # 1 KB more to start the ring on a swizzle pattern
                 "STAGED": bp * (bco + 16 // esize) * esize, "RING": stages * stage,
-                # accumulators (wgmma's N / 2 a thread) and the rest (ptxas: 90-96 at N 128)
-                "REGS": bp // wgn // 2 + 32}
+                # the three mbarriers a slot, in static shared memory
+                "STATIC": 24 * stages,
+                "REGS": _regs(bp // wgn, ncw, tiles.get("round_smem", 0))}
 
     def check_shape(self, spec: "ConvSpec") -> None:
         vec = 16 // _esize(spec)
@@ -85,12 +101,12 @@ class NhwcTmaFamily(Family):
         if lay["NTH"] > 1024:
             raise Unsupported(f"nhwc_tma: {lay['NTH']} threads exceed a block's 1024 ({lay['BCO'] // 64 * lay['WGN']} "
                               "consumer warpgroups and the producer warp)")
-        if lay["SMEM_BYTES"] > SMEM_LIMIT:
+        if lay["SMEM_BYTES"] + lay["STATIC"] > SMEM_LIMIT:
             raise Unsupported(f"nhwc_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
         if lay["STAGED"] > lay["RING"]:
             raise Unsupported(f"nhwc_tma: the staged output tile ({lay['STAGED']} bytes) does not fit the ring")
         blocks = tiles.get("min_blocks", 1)
-        if lay["REGS"] * lay["NTH"] * blocks > 65536:
+        if lay["REGS"] > reg_cap(lay["NTH"], blocks):
             raise Unsupported(f"nhwc_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers exceed "
                               "the SM's 65536 (wgmma's accumulators stay in registers)")
         if blocks * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
