@@ -73,6 +73,15 @@ def _extent(kernel: tuple, dilation: tuple) -> tuple:
     return tuple(d * (k - 1) + 1 for k, d in zip(kernel, dilation))
 
 
+def _cl_window(rng: random.Random) -> tuple:
+    """Stride, dilation and padding as the channels_last generators draw them ('same' and
+    'valid' only at stride 1)."""
+    stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
+    dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
+    padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+    return stride, dilation, padding
+
+
 def make_cases(n: int, seed: int = 1234) -> list[Case]:
     rng = random.Random(seed)
     cases = []
@@ -584,9 +593,7 @@ def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
         C = groups * vec * rng.choice([1, 2, 3, 4, 8, 16])
         K = groups * rng.choice([2, 8, 16, 30, 64, 96, 128, 192])
         kernel = rng.choice([(1, 1), (1, 1), (3, 3), (3, 3), (5, 5), (3, 1), (1, 7), (2, 2), (7, 7)])
-        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
-        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
-        padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+        stride, dilation, padding = _cl_window(rng)
         precision = rng.choice(["tf32", "ieee", None]) if dtype == "float32" else None
         eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
@@ -616,9 +623,7 @@ def make_nhwc_tma_cases(n: int, seed: int = 6480) -> list[Case]:
         C = vec * rng.choice([1, 2, 3, 4, 5, 8, 16, 24])
         K = vec * rng.choice([1, 3, 8, 12, 16, 24, 32, 40])
         kernel = rng.choice([(1, 1), (3, 3), (3, 3), (5, 5), (3, 1), (1, 7), (2, 2), (7, 7)])
-        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
-        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
-        padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+        stride, dilation, padding = _cl_window(rng)
         precision = rng.choice(["tf32", "tf32", None]) if dtype == "float32" else None
         eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 48), eh), max(rng.randint(3, 48), ew)
@@ -669,9 +674,7 @@ def make_depthwise_nhwc_cases(n: int, seed: int = 6530) -> list[Case]:
         C = rng.choice([2, 3, 8, 16, 24, 32, 40, 96, 144])
         mult = rng.choice([1, 1, 1, 2, 3, 4, 8])
         kernel = rng.choice([(3, 3), (3, 3), (5, 5), (7, 7), (3, 1), (1, 3), (2, 4), (1, 1), (9, 9)])
-        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2), (3, 3)])
-        dilation = rng.choice([(1, 1), (1, 1), (1, 1), (2, 2), (1, 3)])
-        padding = rng.choice([0, 1, (1, 2), (0, 3)] + (["same", "valid"] if stride == (1, 1) else []))
+        stride, dilation, padding = _cl_window(rng)
         eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 40), eh), max(rng.randint(3, 40), ew)
         tiles = ()
