@@ -10,6 +10,8 @@ wgmma fed by TMA im2col and tiled copies through mbarriers, with no spills.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kernelgen import dispatch
@@ -110,17 +112,23 @@ def test_default_tiles_fit(layer, dtype):
     spec = _choose(**layer, dtype=dtype, family="nhwc_tma")
     t = dict(spec.tiles)
     lay = FAM.layout(spec, t)
-    # 64 output channels a block where the layer has no more; 128 pixels; two blocks an SM with a
-    # ring of three slots or more
+    # 64 output channels a block where the layer has no more; 128 pixels a warpgroup
     assert t["block_co"] == (64 if layer["w"][0] <= 64 else 128) and t["block_p"] == 128 and t["wgn"] == 1
-    assert t["min_blocks"] == 2 and t["stages"] >= 3
     # TF32 rounds 64-channel tiles' pixels in shared memory (4 warps), others take a rounded copy
     assert t["round_smem"] == (4 if dtype == "float32" and t["block_co"] == 64 else 0)
-    assert 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and lay["SMEM_BYTES"] <= SMEM_LIMIT
-    assert lay["REGS"] <= reg_cap(lay["NTH"], 2) and lay["STAGED"] <= lay["RING"]
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["WN"] == 128 and ctx["BCO"] == t["block_co"]
-    assert lay["NTH"] == 128 * t["block_co"] // 64 + 32 + 32 * t["round_smem"]
+    assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+    if dtype == "bfloat16" and t["block_co"] == 64:
+        # 16-bit 64-channel tiles: the weights resident (72 KB) under two pipelines, one block an SM
+        assert (t["persist"], t["wres"], t["pipes"], t["min_blocks"], t["stages"]) == (1, 1, 2, 1, 3)
+        assert lay["NTH"] == 2 * (128 + 32) and lay["REGS"] <= reg_cap(lay["NTH"], 1)
+    else:
+        # two blocks an SM with a ring of three slots or more, one block a tile
+        assert (t["persist"], t["wres"], t["pipes"], t["min_blocks"]) == (0, 0, 1, 2) and t["stages"] >= 3
+        assert 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM
+        assert lay["REGS"] <= reg_cap(lay["NTH"], 2) and lay["STAGED"] <= lay["RING"]
+        assert lay["NTH"] == 128 * t["block_co"] // 64 + 32 + 32 * t["round_smem"]
     # the weights repacked in whole k-tiles, then room for a dense copy of the input
     esize = 4 if dtype == "float32" else 2
     kt = layer["w"][2] * layer["w"][3] * -(-layer["w"][1] * esize // 128)
@@ -140,10 +148,27 @@ def test_register_and_shared_memory_budgets_follow_ptxas_and_the_driver():
     # the defaults of 64- and 128-channel tiles keep two blocks an SM
     assert dict(_choose(**VGG64, family="nhwc_tma").tiles)["min_blocks"] == 2
     assert dict(_choose(**VGG256, family="nhwc_tma").tiles)["min_blocks"] == 2
-    # the mbarriers' static shared memory counts against the 227 KB too
+    # the mbarriers' static shared memory (three a slot and the weights') counts against the 227 KB too
     spec = _choose(**VGG256, family="nhwc_tma", tiles={"stages": 7, "min_blocks": 1})
     lay = FAM.layout(spec, dict(spec.tiles))
-    assert lay["STATIC"] == 24 * 7 and lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+    assert lay["STATIC"] == 24 * 7 + 8 and lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+
+
+def test_resident_weights_and_two_pipelines_are_refused_where_they_cannot_work():
+    with pytest.raises(ConvArgumentError, match="persistent"):
+        _choose(**VGG64, dtype="bfloat16", family="nhwc_tma", tiles={"wres": 1, "persist": 0})
+    with pytest.raises(ConvArgumentError, match="one block of output channels"):
+        _choose(**VGG256, dtype="bfloat16", family="nhwc_tma", tiles={"persist": 1, "wres": 1, "block_co": 128})
+    with pytest.raises(ConvArgumentError, match="two pipelines"):
+        _choose(**VGG64, dtype="bfloat16", family="nhwc_tma", tiles={"persist": 1, "pipes": 2, "wres": 0})
+    with pytest.raises(ConvArgumentError, match="shared memory"):  # 18 k-tiles of TF32 weights and two rings
+        _choose(**VGG64, family="nhwc_tma", tiles={"persist": 1, "wres": 1, "pipes": 2, "round_smem": 0,
+                                                   "stages": 3, "min_blocks": 1})
+    spec = _choose(**VGG64, dtype="bfloat16", family="nhwc_tma",
+                   tiles={"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1})
+    lay = FAM.layout(spec, dict(spec.tiles))
+    # 9 k-tiles of 64 x 128-byte weights, two rings of 3 x 16 KB and two 128 x 144-byte stagings
+    assert lay["SMEM_BYTES"] == 9 * 8192 + 2 * (3 * 16384 + 128 * 144) + 1024 and lay["NTH"] == 2 * 160
 
 
 def test_forced_tiles_hold():
@@ -161,6 +186,11 @@ def test_forced_tiles_hold():
 @pytest.mark.parametrize("layer,dtype,bias,tiles,cl", [
     (VGG64, "float32", True, None, True), (VGG64, "bfloat16", False, None, True), (S2, "float16", True, None, True),
     (VGG64, "float32", False, {"round_smem": 0}, True),  # the rounded copy instead of rounding warps
+    (VGG64, "bfloat16", True, {"persist": 1}, True), (VGG256, "float32", False, {"persist": 1}, False),
+    # resident weights: two pipelines over one copy, one deep pipeline, NCHW
+    (VGG64, "bfloat16", True, {"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}, True),
+    (VGG64, "float16", False, {"persist": 1, "wres": 1, "stages": 8, "min_blocks": 1}, True),
+    (VGG64, "bfloat16", False, {"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}, False),
     (VGG256, "bfloat16", True, {"block_p": 256, "wgn": 2}, True),
     (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1}, True),
     # NCHW calls: the input transpose and the direct NCHW epilogue
@@ -181,4 +211,6 @@ def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, ti
     # the main kernel, the weight repack, the strided copy, the dense rounding copy and (NCHW) the
     # transpose; NCHW tiles leave straight from the accumulators, channels_last ones as 16-byte rows
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4 + (not cl), report
-    assert ("kg_nhwc_transpose" in text) == (not cl) and ("bar.sync 1," in text) == cl  # staging: consumers meet
+    assert ("kg_nhwc_transpose" in text) == (not cl) and bool(re.search(r"bar\.sync\s+%r", text)) == cl  # staging: consumers meet
+    # 16-bit channels_last tiles stage their fragments with stmatrix, transposed to pixel rows
+    assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text) == (cl and dtype != "float32")

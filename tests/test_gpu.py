@@ -651,6 +651,33 @@ def make_nhwc_tma_nchw_cases(n: int, seed: int = 6491) -> list[Case]:
             for i, c in enumerate(make_nhwc_tma_cases(n, seed))]
 
 
+def make_nhwc_tma_walk_cases() -> list[Case]:
+    """`nhwc_tma`'s persistent blocks over enough pixels that every block walks several tiles, so
+    slots and phases carry from one tile to the next: the staging of their own, resident weights
+    (one deep pipeline, two over one copy, wide tiles), output channels under a block's, strides,
+    dilation, both precisions, NCHW calls."""
+    walk = {"persist": 1}
+    two = {"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}
+    deep = {"persist": 1, "wres": 1, "stages": 8, "min_blocks": 1}
+    wide = {"persist": 1, "wres": 1, "block_p": 256, "wgn": 2, "stages": 3, "min_blocks": 1}
+    rows = [  # N, C, K, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
+        (8, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "channels_last", 128, 128, walk),
+        (8, 64, 64, (3, 3), (1, 1), 1, (1, 1), False, "bfloat16", None, "channels_last", 128, 128, two),
+        (8, 48, 64, (3, 3), (1, 1), 1, (1, 1), True, "float16", None, "channels_last", 120, 136, deep),
+        (8, 64, 32, (3, 3), (2, 2), 1, (1, 1), True, "bfloat16", None, "channels_last", 160, 158, two),
+        (2, 64, 64, (3, 3), (1, 1), 2, (2, 2), False, "bfloat16", None, "channels_last", 200, 190, two),
+        (8, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "channels_last", 128, 130, wide),
+        (4, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "contiguous", 128, 128, two),
+        (4, 64, 128, (3, 3), (1, 1), 1, (1, 1), False, "float16", None, "contiguous", 128, 124, walk),
+        (8, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "channels_last", 128, 128,
+         {"persist": 1, "round_smem": 4}),
+        (8, 32, 64, (3, 3), (1, 1), 1, (1, 1), False, "float32", "tf32", "channels_last", 112, 112,
+         {**deep, "stages": 4, "round_smem": 0}),
+    ]
+    return [Case(6800 + i, n, c, k, 1, ker, st, pad, dil, b, dt, prec, lay, h, w, "nhwc_tma", tuple(sorted(t.items())))
+            for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+
+
 def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
     """NCHW calls forced onto the `nhwc` family (its input transposed into the workspace, its
     output written in NCHW): make_nhwc_cases' shapes from another seed, on contiguous inputs and
@@ -777,7 +804,8 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9
 CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + make_ws_cases(24) +
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
-                                make_short_reduction_cases() + make_nhwc_tma_cases(48) + make_nhwc_tma_nchw_cases(24)
+                                make_short_reduction_cases() + make_nhwc_tma_cases(48) + make_nhwc_tma_nchw_cases(24) +
+                                make_nhwc_tma_walk_cases()
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
@@ -1049,6 +1077,18 @@ MEMCHECK = textwrap.dedent("""
                 run_cl(dtype, (2, 16, 9, 11), (64, 16, 3, 3), 0, family="nhwc_tma", padding=1)
             run("nhwc_tma", dtype, (3, 40, 9, 12), (40, 40, 3, 3), padding=1)
             run("nhwc_tma", dtype, (2, 16, 8, 10), (24, 16, 3, 3), view=False, padding=(1, 0))
+            # persistent blocks that walk more than one tile: their own staging, and resident
+            # weights in two pipelines (16-bit) or one deep one (TF32)
+            walk = (4, 64, 100, 100)
+            run_cl(dtype, walk, (64, 64, 3, 3), 0, family="nhwc_tma", padding=1, tiles={{"persist": 1}})
+            if dtype == torch.float32:
+                run_cl(dtype, (4, 32, 100, 100), (40, 32, 3, 3), 0, family="nhwc_tma", padding=1,
+                       tiles={{"persist": 1, "wres": 1, "stages": 4, "min_blocks": 1, "round_smem": 0}})
+            else:
+                run_cl(dtype, walk, (40, 64, 3, 3), 0, family="nhwc_tma", padding=1,
+                       tiles={{"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}})
+                run("nhwc_tma", dtype, walk, (64, 64, 3, 3), padding=1,
+                    tiles={{"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}})
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)

@@ -12,7 +12,8 @@ Tiles: `block_co` output channels a block (64 a consumer warpgroup along them); 
 a block, split between `wgn` warpgroups along them (wgmma's N is block_p / wgn); `stages` ring
 slots; `min_blocks` blocks an SM the launch bounds ask for; `round_smem` (TF32 channels_last) the
 warps that round each landed slot's pixels in shared memory instead of a rounded copy of the
-input (0: the copy).
+input (0: the copy); `persist` a grid of the blocks that fit the card, each walking tiles, its
+output staged apart from the ring (0: one block a tile).
 
 NCHW calls (layout 'nchw') take one more pass, as in `nhwc`: the input is transposed into the
 workspace as dense NHWC (rounded for TF32), and the epilogue writes each output channel's pixel
@@ -43,6 +44,12 @@ def _esize(spec: "ConvSpec") -> int:
     return 4 if spec.dtype == "float32" else 2
 
 
+def _k_tiles(spec: "ConvSpec") -> int:
+    """The reduction's k-tiles: one a kernel tap and 128 bytes of its input channels."""
+    kh, kw = spec.kernel_size
+    return kh * kw * -(-spec.in_channels * _esize(spec) // 128)
+
+
 def reg_cap(threads: int, blocks: int) -> int:
     """Registers a thread may use when `blocks` blocks of `threads` share an SM's 65536: ptxas
     counts warps in fours and registers in eights (672 threads, two blocks: 40)."""
@@ -63,15 +70,21 @@ class NhwcTmaFamily(Family):
     def layout(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
         """Compile-time constants of a tile choice (the template static_asserts the same)."""
         bco, bp, wgn, stages = tiles["block_co"], tiles["block_p"], tiles["wgn"], tiles["stages"]
+        pipes, wres = tiles.get("pipes", 1), tiles.get("wres", 0)
         esize = _esize(spec)
-        stage = (bco + bp) * 128
         ncw = bco // 64 * wgn
         rounders = 32 * tiles.get("round_smem", 0)  # its rounding warps' threads
-        return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "NTH": 128 * ncw + 32 + rounders,
-                "SMEM_BYTES": stages * stage + 1024,  # 1 KB more to start the ring on a swizzle pattern
-                "STAGED": bp * (bco + 16 // esize) * esize, "RING": stages * stage,
-                # the three mbarriers a slot, in static shared memory
-                "STATIC": 24 * stages,
+        slot = bp * 128 + (0 if wres else bco * 128)  # the pixels (and the weights' box)
+        staged = bp * (bco + 16 // esize) * esize  # the output tile, 16 bytes of padding a row
+        own = tiles.get("persist", 0) == 1 and spec.layout == "nhwc"  # staged apart from the ring
+        resident = _k_tiles(spec) * bco * 128 if wres else 0  # the weights, kept for every tile
+        return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "PIPES": pipes,
+                "NTH": pipes * (128 * ncw + 32) + rounders,
+                # 1 KB more to start the ring on a swizzle pattern
+                "SMEM_BYTES": resident + pipes * (stages * slot + (staged if own else 0)) + 1024,
+                "STAGED": 0 if own or spec.layout == "nchw" else staged, "RING": stages * slot,
+                # the mbarriers (three a slot and the weights'), in static shared memory
+                "STATIC": 8 * ((2 * pipes + 1) * stages + 1),
                 "REGS": _regs(bp // wgn, ncw, tiles.get("round_smem", 0))}
 
     def check_shape(self, spec: "ConvSpec") -> None:
@@ -96,6 +109,14 @@ class NhwcTmaFamily(Family):
         if tiles.get("round_smem", 0) and not (spec.dtype == "float32" and spec.layout == "nhwc"):
             raise Unsupported("nhwc_tma: round_smem rounds TF32 channels_last inputs (16-bit needs no rounding, and "
                               "an NCHW input is rounded in its transpose)")
+        persist, wres, pipes = tiles.get("persist", 0), tiles.get("wres", 0), tiles.get("pipes", 1)
+        if wres and not persist:
+            raise Unsupported("nhwc_tma: resident weights (wres) need persistent blocks (persist=1)")
+        if wres and spec.out_channels > lay["BCO"]:
+            raise Unsupported(f"nhwc_tma: resident weights (wres) hold one block of output channels ({lay['BCO']}), "
+                              f"the layer has {spec.out_channels}")
+        if pipes > 1 and not (wres and tiles.get("round_smem", 0) == 0):
+            raise Unsupported("nhwc_tma: two pipelines a block share resident weights (wres=1) and round nothing")
         if lay["BP"] % lay["WGN"] or (lay["BP"] // lay["WGN"]) % 8 or lay["BP"] // lay["WGN"] > 256:
             raise Unsupported(f"nhwc_tma: {lay['BP']} pixels cannot be split into {lay['WGN']} wgmma N of 8-256")
         if lay["NTH"] > 1024:
@@ -106,6 +127,12 @@ class NhwcTmaFamily(Family):
         if lay["STAGED"] > lay["RING"]:
             raise Unsupported(f"nhwc_tma: the staged output tile ({lay['STAGED']} bytes) does not fit the ring")
         blocks = tiles.get("min_blocks", 1)
+        if (persist and tiles.get("round_smem", 0) and lay["BP"] // lay["WGN"] == 128
+                and reg_cap(lay["NTH"], blocks) == 128):
+            # ptxas 13.0 spilled 376 bytes in exactly these (three of 186 accepted classes; the
+            # same tiles at caps of 96 and 168 build spill-free)
+            raise Unsupported("nhwc_tma: persistent TF32 tiles with rounding warps and wgmma N 128 spill at a cap of "
+                              "128 registers")
         if lay["REGS"] > reg_cap(lay["NTH"], blocks):
             raise Unsupported(f"nhwc_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers exceed "
                               "the SM's 65536 (wgmma's accumulators stay in registers)")
@@ -118,6 +145,19 @@ class NhwcTmaFamily(Family):
         warpgroup along them; the deepest ring (up to 6) that lets two blocks share an SM with three
         slots or more, else one block's.
 
+        16-bit channels_last tiles of 64 output channels walk tiles: with the weights resident in
+        two pipelines a block where they fit (64 input channels of a 3x3: 72 KB), else in one deep
+        pipeline, else persistent blocks that load the weights' box with each k-tile. H100, same
+        process, bf16, ms (one block a tile / persistent / resident, two pipelines / resident, one
+        pipeline of 8 slots / resident, 256-pixel tiles; F.conv2d): 64->64 3x3 on 8 x 224 x 224
+        0.140 / 0.123 / 0.115 / 0.122 / 0.129; 0.123-0.136; on 4 x 256 x 256 0.117 / 0.106 / 0.097
+        / 0.099 / 0.099; 0.110-0.115; on 32 x 56 x 56 0.068 / 0.063 / 0.060 / 0.058 / 0.061;
+        0.071-0.078; 32->64 3x3 on 32 x 112 x 112 0.124 / 0.111 / 0.098 / 0.109 / 0.126; 0.082-0.105.
+        An earlier session: persistent blocks on TF32 were even (0.223 / 0.224), and 128-channel
+        tiles, whose staging then leaves room for one block an SM, were even or slower (bf16
+        256->256 3x3 on 32 x 14 x 14 0.049 / 0.054; 128->128 on 28 x 28 0.048 / 0.055), as were NCHW
+        calls (256->256 3x3 on 8 x 56 x 56 TF32 0.146 / 0.172).
+
         round_smem: 4 rounding warps for TF32 channels_last tiles of 64 output channels, else the
         rounded copy. H100, same process, ms (copy / 1, 2, 4 warps): 64->64 3x3 on 8 x 224 x 224
         0.278 / 0.310, 0.258, 0.227; on 32 x 56 x 56 0.111 / 0.126, 0.114, 0.103; 256->256 3x3 on
@@ -129,31 +169,38 @@ class NhwcTmaFamily(Family):
         fixed = dict(fixed or {})
         bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
         tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
-        base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": 4 if tf32_cl and bco == 64 else 0, **fixed}
+        wide_cl = spec.dtype != "float32" and spec.layout == "nhwc"
+        base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": 4 if tf32_cl and bco == 64 else 0}
+        # 16-bit channels_last tiles of 64 output channels: resident weights in two pipelines, else
+        # in one, else persistent blocks that load the weights' box a k-tile
+        walks = ([{"persist": 1, "wres": 1, "pipes": 2}, {"persist": 1, "wres": 1}, {"persist": 1}]
+                 if wide_cl and bco == 64 else [{}])
         reasons = []
-        order = [(b, s) for b, s in ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
-                 if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
-        for blocks, stages in order or [(fixed["min_blocks"], fixed["stages"])]:
-            cand = {**base, "stages": stages, "min_blocks": blocks}
-            try:
-                self.check_tiles(spec, cand)
-            except Unsupported as exc:
-                reasons.append(str(exc))
-                continue
-            return cand
-        raise Unsupported(f"no tile configuration fits ({reasons[0]})")
+        for walk in walks:
+            cand_base = {**base, **walk, **fixed}
+            depths = (((1, 8), (1, 7), (1, 6), (1, 5), (1, 4), (1, 3)) if cand_base.get("wres") else
+                      ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2)))
+            order = [(b, s) for b, s in depths if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
+            if not order and "min_blocks" in fixed and "stages" in fixed:
+                order = [(fixed["min_blocks"], fixed["stages"])]
+            for blocks, stages in order:
+                cand = {**cand_base, "stages": stages, "min_blocks": blocks}
+                try:
+                    self.check_tiles(spec, cand)
+                except Unsupported as exc:
+                    reasons.append(str(exc))
+                    continue
+                return cand
+        raise Unsupported(f"no tile configuration fits ({reasons[0] if reasons else 'no ring depth matches the fixed tiles'})")
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         t = dict(spec.tiles)
         lay = self.layout(spec, t)
-        (kh, kw) = spec.kernel_size
         esize = _esize(spec)
-        bk = 128 // esize
-        kt = kh * kw * -(-spec.in_channels // bk)
+        kt = _k_tiles(spec)
         wbytes = spec.out_channels * kt * 128
         ws_x = -(-wbytes // 256) * 256
         return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "WN": lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
-                "ROUND_SMEM": t.get("round_smem", 0),
                 "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"], "WS_X_OFFSET": ws_x,
                 # the repacked weights, then room for a dense copy of the input (TF32 rounds it;
                 # 16-bit inputs the TMA cannot address are copied)
@@ -164,7 +211,8 @@ nhwc_tma = NhwcTmaFamily(
     name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_co": (64, 128, 256), "block_p": (128, 256, 64), "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
-           "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4)},
+           "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
+           "pipes": (1, 2)},
 )
 
 FAMILIES = (nhwc_tma,)
