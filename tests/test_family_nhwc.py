@@ -78,14 +78,21 @@ def test_channels_last_layers_go_to_nhwc_and_nchw_ones_on_small_planes(name, dty
         nchw = _choose(**R50[name], dtype=dtype, math=math, channels_last=False, arch="sm_80")
         assert nchw.family == "nhwc" and nchw.layout == "nchw"
     else:  # 56 x 56: the NCHW families' per-image tiles are full, and no transpose to pay
-        assert nchw.family == "wgmma" and nchw.layout == "nchw"
+        # (except TF32 64 -> 64 3x3 on Hopper, which nhwc_tma's transpose and wgmma beat: dispatch.py)
+        tma = name == "l1.3x3" and dtype == "float32" and math == "tf32"
+        assert nchw.family == ("nhwc_tma" if tma else "wgmma") and nchw.layout == "nchw"
+        nchw = _choose(**R50[name], dtype=dtype, math=math, channels_last=False, arch="sm_80")
+        assert nchw.family not in ("nhwc", "nhwc_tma")
 
 
 def test_nchw_calls_keep_their_families_where_grouped_or_large():
     # grouped (ResNeXt's 32 groups on 14 x 14), a plane just over 32 x 32, and the five cases' planes
     assert _choose((32, 512, 14, 14), (512, 16, 3, 3), groups=32, padding=1, channels_last=False).family == "igemm"
-    assert _choose((8, 64, 33, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "wgmma"
-    assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "nhwc_tma"
+    # (16-bit here: TF32 64 -> 64 k x k layers go to nhwc_tma on any plane)
+    assert _choose((8, 64, 33, 32), (64, 64, 3, 3), padding=1, dtype="bfloat16", channels_last=False).family == "wgmma"
+    assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, dtype="bfloat16",
+                   channels_last=False).family == "nhwc_tma"
+    assert _choose((8, 64, 33, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "nhwc_tma"
     assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, channels_last=False, arch="sm_80").family == "nhwc"
     assert _choose((16, 64, 1024, 1024), (128, 64, 1, 1), channels_last=False).family == "pointwise"
     # too few channels for a 16-byte chunk: the NCHW families, as before
@@ -99,7 +106,7 @@ def test_nchw_calls_keep_their_families_where_grouped_or_large():
     ((8, 128, 112, 112), (128, 128, 3, 3), dict(padding=1, stride=2), "nhwc", "nhwc"),  # was igemm
     ((16, 128, 64, 64), (128, 128, 3, 1), dict(padding=(1, 0)), "nhwc", "nhwc"),
     ((16, 128, 64, 64), (128, 128, 5, 5), dict(padding=2), "wgmma", "wgmma"),  # 25 taps
-    ((32, 64, 56, 56), (64, 64, 3, 3), dict(padding=1), "wgmma", "wgmma"),
+    ((32, 64, 56, 56), (64, 64, 3, 3), dict(padding=1), "nhwc_tma", "wgmma"),  # TF32: nhwc_tma from 64 into 64
     ((8, 256, 64, 64), (256, 128, 3, 3), dict(padding=1, groups=2), "wgmma", "wgmma"),
     # 1x1 on planes over 32 x 32: nhwc from 256 into 256 or more (float32: into half as many),
     # wgmma where the outputs are twice the inputs or 16-bit from over 256, pointwise the rest

@@ -60,10 +60,18 @@ def test_nchw_calls_where_nhwc_would_take_them_with_a_kernel_over_1x1():
     # both transpose an NCHW input into their workspace; nhwc_tma's 1x1 NCHW layers were even or slower
     assert _choose(**VGG256, channels_last=False).family == "nhwc_tma"
     assert _choose(**S2, dtype="bfloat16", channels_last=False).family == "nhwc_tma"
+    # TF32 layers of 33-64 output channels from 64 or more, on any plane (wgmma took them); bf16
+    # and strict float32 stay with wgmma, as do case 63 (16 -> 128) and case 56 (64 -> 128)
+    assert _choose(**VGG64, channels_last=False).family == "nhwc_tma"
+    assert _choose(**VGG64, dtype="bfloat16", channels_last=False).family == "wgmma"
+    assert _choose(**VGG64, math="ieee", channels_last=False).family == "wgmma"
+    assert _choose((16, 16, 1024, 1024), (128, 16, 3, 3), channels_last=False).family == "wgmma"
+    assert _choose((8, 64, 512, 256), (128, 64, 5, 7), channels_last=False).family == "wgmma"
+    assert _choose((8, 64, 512, 512), (16, 64, 3, 3), padding=1, channels_last=False).family == "wgmma"  # a 16/64 tile
     assert _choose((32, 512, 7, 7), (512, 512, 3, 3), padding=1, channels_last=False).family == "nhwc_tma"
     assert _choose((32, 2048, 7, 7), (512, 2048, 1, 1), channels_last=False).family == "nhwc"
     assert _choose(**VGG256, math="ieee", channels_last=False).family == "wgmma"  # strict: 3xTF32
-    assert _choose(**VGG64, channels_last=False).family == "wgmma"  # where nhwc does not take it either
+    assert _choose(**VGG64, dtype="bfloat16", channels_last=False).family == "wgmma"  # nhwc does not take it either
     spec = _choose(**VGG256, channels_last=False, bias=True)
     assert spec.layout == "nchw" and spec.template_context()["WORKSPACE_PER_INPUT"] == 4
 
