@@ -13,7 +13,9 @@ a block, split between `wgn` warpgroups along them (wgmma's N is block_p / wgn);
 slots; `min_blocks` blocks an SM the launch bounds ask for; `round_smem` (TF32 channels_last) the
 warps that round each landed slot's pixels in shared memory instead of a rounded copy of the
 input (0: the copy); `persist` a grid of the blocks that fit the card, each walking tiles, its
-output staged apart from the ring (0: one block a tile).
+output staged apart from the ring (0: one block a tile); `wres` (persistent, one block of output
+channels) the weights loaded once a block and kept in shared memory, so a slot holds only the
+pixels; `pipes` 2 (with `wres`) two producer/ring/consumer pipelines a block over that copy.
 
 NCHW calls (layout 'nchw') take one more pass, as in `nhwc`: the input is transposed into the
 workspace as dense NHWC (rounded for TF32), and the epilogue writes each output channel's pixel
