@@ -43,11 +43,12 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    on 7 x 7 0.118 / 0.121 and 0.080 / 0.084. Its 1x1 NCHW layers were even or slower: 2048->512 on
    7 x 7 0.075 / 0.072 and 0.056 / 0.054; 256->1024 on 14 x 14 TF32 0.061 / 0.057; 256->512
    stride 2 0.157 / 0.154 and 0.130 / 0.134. And TF32 k x k NCHW layers of 33-64 output channels
-   from 64 input channels or more, on any plane, which wgmma took: same process, ms
-   (nhwc_tma / wgmma / F.conv2d), 64->64 3x3 on 8 x 224 x 224 0.299 / 0.363 / 0.322-0.334; on 32 x
-   56 x 56 0.100 / 0.108 / 0.106. In bf16 wgmma keeps them: 0.341 / 0.245 and 0.094 / 0.075 (with
-   resident weights in two pipelines 0.214 and 0.083; on 4 x 256 x 256 0.143 against wgmma's
-   0.142).
+   from 64 input channels or more, which wgmma took, where the output rows are not whole
+   128-column tiles of wgmma's: same process, ms (nhwc_tma / wgmma / F.conv2d), 64->64 3x3 on 8 x
+   224 x 224 0.299-0.310 / 0.355-0.363 / 0.322-0.334; on 32 x 56 x 56 0.100-0.110 / 0.108-0.117 /
+   0.106-0.116; but on 4 x 256 x 256 0.218-0.220 / 0.199-0.204 / 0.232-0.234, so 256-wide rows stay
+   on wgmma. In bf16 wgmma keeps them: 0.341 / 0.245 and 0.094 / 0.075 (with resident weights in
+   two pipelines 0.214 and 0.083; on 4 x 256 x 256 0.143 against wgmma's 0.142).
    nhwc: channels_last calls (the families below take NCHW only) whose channels per group
    fill whole 16-byte chunks (4 float32, 8 bf16/fp16) into an even number of output channels
    a group: one implicit GEMM over the whole batch on tensor cores. H100, batch 32, ms (nhwc /
@@ -249,8 +250,9 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         k_tiles = kh * kw * -(-spec.in_channels * esize // 128)
         if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)
             # and TF32 k x k layers of 33-64 output channels (a 64-channel tile at least half full)
-            # from 64 input channels or more
-            tf32_narrow = spec.dtype == "float32" and 32 < spec.out_channels <= 64 and spec.in_channels >= 64
+            # from 64 input channels or more, on rows that wgmma's 128-column tiles do not fill
+            tf32_narrow = (spec.dtype == "float32" and 32 < spec.out_channels <= 64 and spec.in_channels >= 64
+                           and problem.Q % 128 != 0)
             return k_tiles >= 4 and kh * kw > 1 and (tf32_narrow or _worth_it("nhwc", spec, problem, math))
         return k_tiles >= 4 and (spec.dtype != "float32" or kh * kw >= 4 * sh * sw)
     if name == "nhwc":
