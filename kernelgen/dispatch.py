@@ -134,6 +134,7 @@ from typing import Any, Mapping
 
 from .errors import ConvArgumentError, Unsupported
 from .families import get_family
+from .families.nhwc_tma import k_tiles as tma_k_tiles
 from .spec import ConvSpec, Problem
 
 CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "nhwc_tma", "nhwc", "wgmma", "pointwise", "igemm",
@@ -246,8 +247,7 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
                 or (spec.dtype == "float32" and math == "ieee"))
     if name == "nhwc_tma":
-        (sh, sw), esize = spec.stride, (4 if spec.dtype == "float32" else 2)
-        k_tiles = kh * kw * -(-spec.in_channels * esize // 128)
+        (sh, sw), k_tiles = spec.stride, tma_k_tiles(spec)
         if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)
             # and TF32 k x k layers of 33-64 output channels (a 64-channel tile at least half full)
             # from 64 input channels or more, on rows that wgmma's 128-column tiles do not fill

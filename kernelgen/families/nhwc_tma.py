@@ -46,7 +46,7 @@ def _esize(spec: "ConvSpec") -> int:
     return 4 if spec.dtype == "float32" else 2
 
 
-def _k_tiles(spec: "ConvSpec") -> int:
+def k_tiles(spec: "ConvSpec") -> int:
     """The reduction's k-tiles: one a kernel tap and 128 bytes of its input channels."""
     kh, kw = spec.kernel_size
     return kh * kw * -(-spec.in_channels * _esize(spec) // 128)
@@ -79,7 +79,7 @@ class NhwcTmaFamily(Family):
         slot = bp * 128 + (0 if wres else bco * 128)  # the pixels (and the weights' box)
         staged = bp * (bco + 16 // esize) * esize  # the output tile, 16 bytes of padding a row
         own = tiles.get("persist", 0) == 1 and spec.layout == "nhwc"  # staged apart from the ring
-        resident = _k_tiles(spec) * bco * 128 if wres else 0  # the weights, kept for every tile
+        resident = k_tiles(spec) * bco * 128 if wres else 0  # the weights, kept for every tile
         return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "PIPES": pipes,
                 "NTH": pipes * (128 * ncw + 32) + rounders,
                 # 1 KB more to start the ring on a swizzle pattern
@@ -199,7 +199,7 @@ class NhwcTmaFamily(Family):
         t = dict(spec.tiles)
         lay = self.layout(spec, t)
         esize = _esize(spec)
-        kt = _k_tiles(spec)
+        kt = k_tiles(spec)
         wbytes = spec.out_channels * kt * 128
         ws_x = -(-wbytes // 256) * 256
         return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "WN": lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
