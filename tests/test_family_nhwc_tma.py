@@ -122,14 +122,29 @@ def test_default_tiles_fit(layer, dtype):
     spec = _choose(**layer, dtype=dtype, family="nhwc_tma")
     t = dict(spec.tiles)
     lay = FAM.layout(spec, t)
-    # 64 output channels a block where the layer has no more; 128 pixels a warpgroup
-    assert t["block_co"] == (64 if layer["w"][0] <= 64 else 128) and t["block_p"] == 128 and t["wgn"] == 1
+    # 64 output channels a block where the layer has no more; 128 pixels a warpgroup, or (halo
+    # tiles, VGG's 224-pixel rows) half a row
+    halo = layer is VGG64
+    assert t["block_co"] == (64 if layer["w"][0] <= 64 else 128) and t["wgn"] == 1
+    assert (t["halo"], t["block_p"]) == ((1, 112) if halo else (0, 128))
     # TF32 rounds 64-channel tiles' pixels in shared memory (4 warps), others take a rounded copy
     assert t["round_smem"] == (4 if dtype == "float32" and t["block_co"] == 64 else 0)
     ctx = spec.template_context()
-    assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["WN"] == 128 and ctx["BCO"] == t["block_co"]
+    assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["WN"] == t["block_p"] and ctx["BCO"] == t["block_co"]
     assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
-    if dtype == "bfloat16" and t["block_co"] == 64:
+    if halo:
+        # persistent blocks, one an SM, over windows of 3 rows x 114 pixels; 16-bit with the
+        # weights resident and three windows, TF32 with a ring of the weights' boxes and two
+        assert (t["persist"], t["min_blocks"], t["pipes"]) == (1, 1, 1) and (lay["HB"], lay["WB"]) == (3, 114)
+        window = 3 * 114 * 128 // 1024 * 1024 + 1024  # 1 KB-aligned slots
+        staged = 112 * (64 + 16 // (4 if dtype == "float32" else 2)) * (4 if dtype == "float32" else 2)
+        if dtype == "bfloat16":
+            assert (t["wres"], t["stages"]) == (1, 3)
+            assert lay["SMEM_BYTES"] == 9 * 64 * 128 + 3 * window + staged + 1024
+        else:
+            assert (t["wres"], t["stages"], t["wstages"]) == (0, 2, 4)
+            assert lay["SMEM_BYTES"] == 4 * 64 * 128 + 2 * window + staged + 1024
+    elif dtype == "bfloat16" and t["block_co"] == 64:
         # 16-bit 64-channel tiles: the weights resident (72 KB) under two pipelines, one block an SM
         assert (t["persist"], t["wres"], t["pipes"], t["min_blocks"], t["stages"]) == (1, 1, 2, 1, 3)
         assert lay["NTH"] == 2 * (128 + 32) and lay["REGS"] <= reg_cap(lay["NTH"], 1)
@@ -155,13 +170,14 @@ def test_register_and_shared_memory_budgets_follow_ptxas_and_the_driver():
         with pytest.raises(ConvArgumentError, match="registers"):
             _choose((2, 16, 9, 9), (48, 16, 7, 7), stride=2, padding=1, family="nhwc_tma",
                     tiles={**tiles, "stages": 3, "min_blocks": 2})
-    # the defaults of 64- and 128-channel tiles keep two blocks an SM
-    assert dict(_choose(**VGG64, family="nhwc_tma").tiles)["min_blocks"] == 2
+    # the defaults of 64- and 128-channel tiles keep two blocks an SM (but halo tiles: one)
+    assert dict(_choose(**VGG64, family="nhwc_tma", tiles={"halo": 0}).tiles)["min_blocks"] == 2
     assert dict(_choose(**VGG256, family="nhwc_tma").tiles)["min_blocks"] == 2
-    # the mbarriers' static shared memory (three a slot and the weights') counts against the 227 KB too
+    # the mbarriers' static shared memory (three a slot, the weights' and one pair of the halo
+    # weights' ring, which has none here) counts against the 227 KB too
     spec = _choose(**VGG256, family="nhwc_tma", tiles={"stages": 7, "min_blocks": 1})
     lay = FAM.layout(spec, dict(spec.tiles))
-    assert lay["STATIC"] == 24 * 7 + 8 and lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+    assert lay["STATIC"] == 24 * 7 + 8 + 16 and lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
 
 
 def test_resident_weights_and_two_pipelines_are_refused_where_they_cannot_work():
@@ -179,6 +195,46 @@ def test_resident_weights_and_two_pipelines_are_refused_where_they_cannot_work()
     lay = FAM.layout(spec, dict(spec.tiles))
     # 9 k-tiles of 64 x 128-byte weights, two rings of 3 x 16 KB and two 128 x 144-byte stagings
     assert lay["SMEM_BYTES"] == 9 * 8192 + 2 * (3 * 16384 + 128 * 144) + 1024 and lay["NTH"] == 2 * 160
+
+
+@pytest.mark.parametrize("layer,dtype,cl,expect", [
+    (VGG64, "float32", True, 112), (VGG64, "float16", True, 112),
+    (dict(x=(4, 64, 256, 256), w=(64, 64, 3, 3), padding=1), "bfloat16", True, 128),
+    (dict(x=(4, 32, 90, 130), w=(64, 32, 3, 3), padding=1), "bfloat16", True, 80),  # 130: 2 x 80 (of 128: 2 x 128)
+    (dict(x=(32, 64, 56, 56), w=(64, 64, 3, 3), padding=1), "bfloat16", True, None),  # rows under 112
+    (VGG64, "float32", False, None),  # NCHW calls (measured slower)
+    (dict(x=(8, 64, 224, 224), w=(64, 64, 3, 3), padding=1, stride=2), "bfloat16", True, None),
+    (dict(x=(8, 128, 112, 112), w=(128, 128, 3, 3), padding=1), "float32", True, None),  # 128-channel tiles
+])
+def test_halo_tiles_are_the_default_on_long_rows_of_64_output_channels(layer, dtype, cl, expect):
+    spec = _choose(**layer, dtype=dtype, family="nhwc_tma", channels_last=cl)
+    t = dict(spec.tiles)
+    assert t["halo"] == (expect is not None)
+    if expect is not None:
+        assert t["block_p"] == expect and t["persist"] == 1
+    # a forced halo=0 or block_p holds
+    assert dict(_choose(**layer, dtype=dtype, family="nhwc_tma", channels_last=cl, tiles={"halo": 0}).tiles)["halo"] == 0
+    if expect is not None:
+        assert dict(_choose(**layer, dtype=dtype, family="nhwc_tma", channels_last=cl,
+                            tiles={"block_p": 64}).tiles)["block_p"] == 64
+
+
+def test_halo_block_p_covers_a_row_with_the_fewest_idle_pixels():
+    from kernelgen.families.nhwc_tma import halo_block_p
+    assert [halo_block_p(q, 16) for q in (112, 130, 200, 224, 256, 1022)] == [112, 80, 112, 112, 128, 128]
+    assert halo_block_p(104, 8) == 112 and halo_block_p(56, 8) == 56 and halo_block_p(56, 16) == 64
+
+
+def test_halo_refusals_say_why():
+    halo = {"halo": 1, "persist": 1, "stages": 2, "min_blocks": 1}
+    with pytest.raises(ConvArgumentError, match="stride 1"):
+        _choose(**S2, family="nhwc_tma", tiles=halo)
+    with pytest.raises(ConvArgumentError, match="two window slots"):
+        _choose(**VGG64, family="nhwc_tma", tiles={**halo, "stages": 1})
+    with pytest.raises(ConvArgumentError, match="TMA's box"):
+        _choose(**VGG64, dtype="bfloat16", family="nhwc_tma", tiles={**halo, "block_p": 256, "wgn": 2})
+    with pytest.raises(ConvArgumentError, match="multiple of 16"):
+        _choose(**VGG64, dtype="bfloat16", family="nhwc_tma", tiles={**halo, "block_p": 56})
 
 
 def test_forced_tiles_hold():
@@ -205,6 +261,14 @@ def test_forced_tiles_hold():
     (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1}, True),
     # NCHW calls: the input transpose and the direct NCHW epilogue
     (VGG256, "float32", True, None, False), (S2, "bfloat16", False, {"block_p": 256, "wgn": 2}, False),
+    # halo tiles: a ring of the weights' boxes (TF32 rounding warps, the rounded copy, 128 output
+    # channels), resident weights, NCHW
+    (VGG64, "float32", False, {"halo": 1, "stages": 2, "min_blocks": 1, "persist": 0}, True),
+    (VGG64, "float32", True, {"halo": 1, "stages": 2, "min_blocks": 1, "round_smem": 0, "wstages": 8}, True),
+    (VGG256, "bfloat16", False, {"halo": 1, "stages": 2, "min_blocks": 1, "persist": 1, "block_p": 64}, True),
+    (VGG64, "float16", True, {"halo": 1, "stages": 2, "min_blocks": 1, "persist": 1, "wres": 1, "pipes": 2,
+                              "block_p": 64}, True),
+    (VGG256, "float32", True, {"halo": 1, "stages": 2, "min_blocks": 1, "persist": 1, "block_p": 56}, False),
 ])
 def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, tiles, cl, tmp_path):
     spec = _choose(**layer, dtype=dtype, bias=bias, family="nhwc_tma", tiles=tiles, channels_last=cl)
@@ -214,7 +278,10 @@ def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, ti
     ab = {"float32": "tf32.tf32", "bfloat16": "bf16.bf16", "float16": "f16.f16"}[dtype]
     wn = t["block_p"] // t["wgn"]
     assert f"wgmma.mma_async.sync.aligned.m64n{wn}k{8 if dtype == 'float32' else 16}.f32.{ab}" in text
-    assert "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes" in text
+    # the im2col operand (halo tiles: a tiled 4-D window instead) and the weights' 2-D boxes
+    im2col = "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes" in text
+    window = "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    assert (im2col, window) == ((False, True) if t["halo"] else (True, False))
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity" in text and "mma.sync" not in text and "cp.async.cg" not in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")

@@ -678,6 +678,35 @@ def make_nhwc_tma_walk_cases() -> list[Case]:
             for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
 
 
+def make_nhwc_tma_halo_cases() -> list[Case]:
+    """`nhwc_tma`'s halo tiles (every tap read from one window of the input a channel block):
+    rows that end in a partial tile, windows past every edge of the input (padding, dilation,
+    'same' on an even kernel), fewer input channels than a window's 128 bytes, several blocks of
+    output channels, resident weights, rounding warps and the rounded copy, NCHW rows of odd
+    length, one tile a block and blocks that walk tiles."""
+    walk = {"halo": 1, "persist": 1, "stages": 2, "min_blocks": 1}
+    one = {"halo": 1, "stages": 2, "min_blocks": 1}
+    rows = [  # N, C, K, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
+        (4, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "channels_last", 64, 130,
+         {**one, "round_smem": 4}),
+        (4, 64, 64, (3, 3), (1, 1), 1, (1, 1), False, "float32", "tf32", "channels_last", 112, 112,
+         {**walk, "round_smem": 4, "block_p": 64}),
+        (3, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "contiguous", 60, 57, walk),
+        (4, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "channels_last", 96, 100, {**walk, "wres": 1}),
+        (4, 32, 64, (3, 3), (1, 1), 2, (2, 2), False, "bfloat16", None, "channels_last", 90, 140, walk),
+        (2, 64, 128, (5, 7), (1, 1), (2, 3), (1, 1), True, "float16", None, "channels_last", 40, 150,
+         {**one, "block_p": 64}),
+        (4, 64, 256, (3, 3), (1, 1), 0, (1, 1), True, "bfloat16", None, "channels_last", 70, 66, walk),
+        (4, 48, 64, (3, 3), (1, 1), 1, (1, 1), False, "bfloat16", None, "contiguous", 60, 60,
+         {**walk, "block_p": 64}),
+        (2, 16, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "channels_last", 64, 200,
+         {**walk, "round_smem": 0}),
+        (3, 64, 64, (2, 4), (1, 1), "same", (1, 1), True, "bfloat16", None, "channels_last", 50, 131, walk),
+    ]
+    return [Case(6850 + i, n, c, k, 1, ker, st, pad, dil, b, dt, prec, lay, h, w, "nhwc_tma", tuple(sorted(t.items())))
+            for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+
+
 def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
     """NCHW calls forced onto the `nhwc` family (its input transposed into the workspace, its
     output written in NCHW): make_nhwc_cases' shapes from another seed, on contiguous inputs and
@@ -805,7 +834,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() + make_nhwc_tma_cases(48) + make_nhwc_tma_nchw_cases(24) +
-                                make_nhwc_tma_walk_cases()
+                                make_nhwc_tma_walk_cases() + make_nhwc_tma_halo_cases()
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
@@ -1089,6 +1118,14 @@ MEMCHECK = textwrap.dedent("""
                        tiles={{"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}})
                 run("nhwc_tma", dtype, walk, (64, 64, 3, 3), padding=1,
                     tiles={{"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}})
+            # halo tiles: windows past every edge, a row's last tile partial, blocks that walk
+            # tiles; the weights' ring (TF32, 128 output channels) and resident weights (16-bit)
+            halo = {{"halo": 1, "persist": 1, "stages": 2, "min_blocks": 1}}
+            run_cl(dtype, (3, 64, 20, 130), (64, 64, 3, 3), 0, family="nhwc_tma", padding=1,
+                   tiles={{**halo, "wres": int(dtype != torch.float32)}})
+            run_cl(dtype, (2, 32, 12, 70), (128, 32, 3, 3), 0, family="nhwc_tma", padding=(2, 1),
+                   tiles={{**halo, "block_co": 128, "block_p": 64}})
+            run("nhwc_tma", dtype, (2, 64, 9, 60), (64, 64, 3, 3), padding=1, tiles={{**halo, "block_p": 64}})
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)

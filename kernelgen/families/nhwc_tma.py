@@ -15,7 +15,12 @@ warps that round each landed slot's pixels in shared memory instead of a rounded
 input (0: the copy); `persist` a grid of the blocks that fit the card, each walking tiles, its
 output staged apart from the ring (0: one block a tile); `wres` (persistent, one block of output
 channels) the weights loaded once a block and kept in shared memory, so a slot holds only the
-pixels; `pipes` 2 (with `wres`) two producer/ring/consumer pipelines a block over that copy.
+pixels; `pipes` 2 (with `wres`) two producer/ring/consumer pipelines a block over that copy;
+`halo` (stride 1) tiles of `block_p` pixels of one output row whose slot holds the tile's whole
+window of the input (kernel rows x block_p + the kernel's width in pixels, 128 bytes of channels),
+loaded once as a tiled 4-D box and read by every tap from its own row and column of the window,
+so each input pixel crosses L2 about three times where im2col moves it nine; the weights' boxes
+then come through a ring of `wstages` slots (or stay resident with `wres`).
 
 NCHW calls (layout 'nchw') take one more pass, as in `nhwc`: the input is transposed into the
 workspace as dense NHWC (rounded for TF32), and the epilogue writes each output channel's pixel
@@ -40,6 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
 SMEM_LIMIT = 227 * 1024  # per block, opt-in (dynamic and static together)
 SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit signed
+BLOCK_P = (128, 256, 64, 112, 56, 96, 80)  # pixels a block (the first, the default)
+HALO_MIN_Q = 112  # output rows at least this long take halo tiles by default (56 measured even or slower)
 
 
 def _esize(spec: "ConvSpec") -> int:
@@ -50,6 +57,19 @@ def k_tiles(spec: "ConvSpec") -> int:
     """The reduction's k-tiles: one a kernel tap and 128 bytes of its input channels."""
     kh, kw = spec.kernel_size
     return kh * kw * -(-spec.in_channels * _esize(spec) // 128)
+
+
+def _window(spec: "ConvSpec", bp: int) -> tuple[int, int]:
+    """`halo`'s window of a tile of `bp` pixels of an output row: input rows x pixels."""
+    (kh, kw), (dh, dw) = spec.kernel_size, spec.dilation
+    return (kh - 1) * dh + 1, bp + (kw - 1) * dw
+
+
+def halo_block_p(q: int, multiple: int) -> int:
+    """`halo` tiles' pixels for output rows of q: the block_p (up to 128, a multiple of `multiple`)
+    whose tiles cover a row with the fewest idle pixels, then the widest (224: 112, 130: 80)."""
+    sizes = [v for v in BLOCK_P if v <= 128 and v % multiple == 0]
+    return min(sizes, key=lambda v: (-(-q // v) * v, -v))
 
 
 def reg_cap(threads: int, blocks: int) -> int:
@@ -76,17 +96,25 @@ class NhwcTmaFamily(Family):
         esize = _esize(spec)
         ncw = bco // 64 * wgn
         rounders = 32 * tiles.get("round_smem", 0)  # its rounding warps' threads
-        slot = bp * 128 + (0 if wres else bco * 128)  # the pixels (and the weights' box)
+        halo = tiles.get("halo", 0) == 1
+        hb, wb = _window(spec, bp)
+        if halo:  # a slot holds a tile's window, 1 KB-aligned; the weights' boxes have a ring
+            slot = -(-hb * wb * 128 // 1024) * 1024
+            wring = 0 if wres else tiles.get("wstages", 4) * bco * 128
+        else:  # the pixels (and the weights' box)
+            slot, wring = bp * 128 + (0 if wres else bco * 128), 0
         staged = bp * (bco + 16 // esize) * esize  # the output tile, 16 bytes of padding a row
         own = tiles.get("persist", 0) == 1 and spec.layout == "nhwc"  # staged apart from the ring
         resident = k_tiles(spec) * bco * 128 if wres else 0  # the weights, kept for every tile
+        wslots = tiles.get("wstages", 4) if halo and not wres else 0
         return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "PIPES": pipes,
-                "NTH": pipes * (128 * ncw + 32) + rounders,
+                "NTH": pipes * (128 * ncw + 32) + rounders, "HB": hb, "WB": wb,
                 # 1 KB more to start the ring on a swizzle pattern
-                "SMEM_BYTES": resident + pipes * (stages * slot + (staged if own else 0)) + 1024,
+                "SMEM_BYTES": resident + pipes * (wring + stages * slot + (staged if own else 0)) + 1024,
                 "STAGED": 0 if own or spec.layout == "nchw" else staged, "RING": stages * slot,
-                # the mbarriers (three a slot and the weights'), in static shared memory
-                "STATIC": 8 * ((2 * pipes + 1) * stages + 1),
+                # the mbarriers (three a slot, the weights', two a weights' ring slot and one
+                # more such pair), in static shared memory
+                "STATIC": 8 * ((2 * pipes + 1) * stages + 1) + 16 * (pipes * wslots + 1),
                 "REGS": _regs(bp // wgn, ncw, tiles.get("round_smem", 0))}
 
     def check_shape(self, spec: "ConvSpec") -> None:
@@ -112,6 +140,16 @@ class NhwcTmaFamily(Family):
             raise Unsupported("nhwc_tma: round_smem rounds TF32 channels_last inputs (16-bit needs no rounding, and "
                               "an NCHW input is rounded in its transpose)")
         persist, wres, pipes = tiles.get("persist", 0), tiles.get("wres", 0), tiles.get("pipes", 1)
+        if tiles.get("halo", 0):
+            if spec.stride != (1, 1):
+                raise Unsupported(f"nhwc_tma: halo tiles read every tap from one window, which needs stride 1 "
+                                  f"(got {spec.stride})")
+            if lay["STAGES"] < 2:
+                raise Unsupported("nhwc_tma: halo tiles need two window slots or more (the next window loads while "
+                                  "this one is read)")
+            if lay["WB"] > 256 or lay["HB"] > 256:
+                raise Unsupported(f"nhwc_tma: a halo window of {lay['HB']} x {lay['WB']} pixels exceeds the TMA's "
+                                  "box (256 a side)")
         if wres and not persist:
             raise Unsupported("nhwc_tma: resident weights (wres) need persistent blocks (persist=1)")
         if wres and spec.out_channels > lay["BCO"]:
@@ -121,6 +159,9 @@ class NhwcTmaFamily(Family):
             raise Unsupported("nhwc_tma: two pipelines a block share resident weights (wres=1) and round nothing")
         if lay["BP"] % lay["WGN"] or (lay["BP"] // lay["WGN"]) % 8 or lay["BP"] // lay["WGN"] > 256:
             raise Unsupported(f"nhwc_tma: {lay['BP']} pixels cannot be split into {lay['WGN']} wgmma N of 8-256")
+        if spec.dtype != "float32" and (lay["BP"] // lay["WGN"]) % 16:
+            raise Unsupported(f"nhwc_tma: 16-bit tiles stage pixels in pairs of 8 (wgmma N {lay['BP'] // lay['WGN']} is "
+                              "not a multiple of 16)")
         if lay["NTH"] > 1024:
             raise Unsupported(f"nhwc_tma: {lay['NTH']} threads exceed a block's 1024 ({lay['BCO'] // 64 * lay['WGN']} "
                               "consumer warpgroups and the producer warp)")
@@ -146,6 +187,17 @@ class NhwcTmaFamily(Family):
         """64 output channels a block where the layer has no more, else 128; 128 pixels in one
         warpgroup along them; the deepest ring (up to 6) that lets two blocks share an SM with three
         slots or more, else one block's.
+
+        halo: channels_last, stride 1, 64 output channels and output rows of HALO_MIN_Q pixels or
+        more take halo tiles where they fit (16-bit with the weights resident and three windows,
+        TF32 with its rounding warps and two), a row cut into the fewest tiles that idle the
+        fewest pixels. H100, same process, five rounds, ms (default before / halo; F.conv2d):
+        TF32 64->64 3x3 on 8 x 224 x 224 0.232 / 0.205; 0.167-0.183; on 4 x 256 x 256 0.162 /
+        0.139; 0.123; bf16 the same layers 0.087 / 0.076; 0.101-0.103 and 0.067 / 0.060; 0.078;
+        bf16 32->64 3x3 on 32 x 112 x 112 0.096 / 0.075; 0.076-0.087. Where it did not pay: rows
+        of 56 (TF32 64->64 on 32 x 56 x 56 0.078 / 0.079, bf16 0.050 / 0.055), 128 output
+        channels (TF32 128->128 on 8 x 112 x 112 0.181 / 0.199, bf16 0.078 / 0.088) and NCHW
+        calls (TF32 VGG 0.298 / 0.336).
 
         16-bit channels_last tiles of 64 output channels walk tiles: with the weights resident in
         two pipelines a block where they fit (64 input channels of a 3x3: 72 KB), else in one deep
@@ -173,15 +225,26 @@ class NhwcTmaFamily(Family):
         tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
         wide_cl = spec.dtype != "float32" and spec.layout == "nhwc"
         base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": 4 if tf32_cl and bco == 64 else 0}
+        # channels_last rows of HALO_MIN_Q pixels or more, stride 1, 64 output channels: halo tiles
+        # (16-bit with the weights resident) where they fit
+        walks = []
+        if (spec.layout == "nhwc" and spec.stride == (1, 1) and bco == 64 and problem.Q >= HALO_MIN_Q
+                and fixed.get("halo", 1) == 1):
+            halo = {"persist": 1, "halo": 1, "block_p": halo_block_p(problem.Q, 8 if tf32_cl else 16)}
+            walks.append({**halo, "wres": 1, "pipes": 1} if wide_cl else halo)
         # 16-bit channels_last tiles of 64 output channels: resident weights in two pipelines, else
         # in one, else persistent blocks that load the weights' box a k-tile
-        walks = ([{"persist": 1, "wres": 1, "pipes": 2}, {"persist": 1, "wres": 1}, {"persist": 1}]
-                 if wide_cl and bco == 64 else [{}])
+        walks += ([{"persist": 1, "wres": 1, "pipes": 2}, {"persist": 1, "wres": 1}, {"persist": 1}]
+                  if wide_cl and bco == 64 else [{}])
         reasons = []
         for walk in walks:
             cand_base = {**base, **walk, **fixed}
-            depths = (((1, 8), (1, 7), (1, 6), (1, 5), (1, 4), (1, 3)) if cand_base.get("wres") else
-                      ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2)))
+            if cand_base.get("halo"):  # window slots: TF32's 2 measured ahead of 3, 16-bit's 3 of 2
+                depths = ((1, 2), (1, 3)) if tf32_cl else ((1, 3), (1, 2))
+            elif cand_base.get("wres"):
+                depths = ((1, 8), (1, 7), (1, 6), (1, 5), (1, 4), (1, 3))
+            else:
+                depths = ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
             order = [(b, s) for b, s in depths if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
             if not order and "min_blocks" in fixed and "stages" in fixed:
                 order = [(fixed["min_blocks"], fixed["stages"])]
@@ -212,9 +275,9 @@ class NhwcTmaFamily(Family):
 nhwc_tma = NhwcTmaFamily(
     name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
-    tiles={"block_co": (64, 128, 256), "block_p": (128, 256, 64), "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
+    tiles={"block_co": (64, 128, 256), "block_p": BLOCK_P, "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
-           "pipes": (1, 2)},
+           "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8)},
 )
 
 FAMILIES = (nhwc_tma,)
