@@ -98,15 +98,15 @@ class NhwcTmaFamily(Family):
         rounders = 32 * tiles.get("round_smem", 0)  # its rounding warps' threads
         halo = tiles.get("halo", 0) == 1
         hb, wb = _window(spec, bp)
-        if halo:  # a slot holds a tile's window, 1 KB-aligned; the weights' boxes have a ring
+        wslots = tiles.get("wstages", 4) if halo and not wres else 0  # the weights' ring
+        wring = wslots * bco * 128
+        if halo:  # a slot holds a tile's window, 1 KB-aligned
             slot = -(-hb * wb * 128 // 1024) * 1024
-            wring = 0 if wres else tiles.get("wstages", 4) * bco * 128
         else:  # the pixels (and the weights' box)
-            slot, wring = bp * 128 + (0 if wres else bco * 128), 0
+            slot = bp * 128 + (0 if wres else bco * 128)
         staged = bp * (bco + 16 // esize) * esize  # the output tile, 16 bytes of padding a row
         own = tiles.get("persist", 0) == 1 and spec.layout == "nhwc"  # staged apart from the ring
         resident = k_tiles(spec) * bco * 128 if wres else 0  # the weights, kept for every tile
-        wslots = tiles.get("wstages", 4) if halo and not wres else 0
         return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "PIPES": pipes,
                 "NTH": pipes * (128 * ncw + 32) + rounders, "HB": hb, "WB": wb,
                 # 1 KB more to start the ring on a swizzle pattern
