@@ -29,7 +29,9 @@ log = logging.getLogger("kernelgen")
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _CL = torch.channels_last
 _CF = torch.contiguous_format
-_PREP = {"any": 0, "nchw": 1, "nhwc": 2}
+# How a plan prepares the input: as it is; dense NCHW; dense channels_last; dense NCHW starting on
+# a 16-byte boundary (families with `aligned_input`).
+_PREP = {"any": 0, "nchw": 1, "nhwc": 2, "nchw_aligned": 3}
 
 
 class Plan:
@@ -46,7 +48,7 @@ class Plan:
         self.out_shape = out_shape  # 4-D
         self.fmt = fmt
         self.squeeze = squeeze  # unbatched input: drop the batch dimension again
-        self.prep = prep  # 0: input as it is; 1: made NCHW-contiguous; 2: made channels_last
+        self.prep = prep  # 0: input as it is; 1: made NCHW-contiguous; 2: made channels_last; 3: 1, aligned
         self.w_asis = w_asis  # the kernel reads the weight through its strides; else a contiguous copy
         self.b_contig = b_contig
         self.args = args  # N, H, W, P, Q, input, output and weight strides, device index
@@ -232,11 +234,21 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
                            family="direct")
         launch, key = load_kernel(spec, toolchain)
     cache = _default_cache()
+    prep = _prep_name(spec)
     # No record after a fallback: each process should try (and report) the fast family again.
     if record_name is not None and cache.writable and not fell_back:
         plans.write(cache.root, record_name,
-                    {"key": key, "call": call_fields, "prep": spec.layout, "summary": spec.summary()})
-    return _plan(launch, key, call_fields, spec.layout, input, weight, bias)
+                    {"key": key, "call": call_fields, "prep": prep, "summary": spec.summary()})
+    return _plan(launch, key, call_fields, prep, input, weight, bias)
+
+
+def _prep_name(spec: "ConvSpec") -> str:
+    """The input preparation (a key of _PREP) the spec's kernel needs."""
+    from .families import get_family
+
+    if spec.layout == "nchw" and get_family(spec.family).aligned_input:
+        return "nchw_aligned"
+    return spec.layout
 
 
 _runtime: dict[tuple[str, str], dict] = {}
@@ -281,14 +293,14 @@ def _channels_last_strides(shape) -> tuple[int, ...]:
 
 def _input_strides(input: torch.Tensor, unbatched: bool, prep: int) -> tuple[int, ...]:
     """The strides of the 4-D input a kernel is handed: `input` (unsqueezed if unbatched),
-    made contiguous in NCHW (prep 1) or channels_last (prep 2) when it is not already.
+    made contiguous in NCHW (prep 1 or 3) or channels_last (prep 2) when it is not already.
 
     Computed from sizes and strides, as torch computes them, rather than by running
     unsqueeze/contiguous on meta tensors: the first meta tensor of a process costs more
     than the rest of a warm call's planning.
     """
     x = input.unsqueeze(0) if unbatched else input  # a view: no copy, no allocation
-    if prep == 1 and not x.is_contiguous():
+    if prep in (1, 3) and not x.is_contiguous():
         return _contiguous_strides(x.shape)
     if prep == 2 and not x.is_contiguous(memory_format=_CL):
         return _channels_last_strides(x.shape)
@@ -325,7 +337,9 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt)
     if plan.launch is not None:
         prep = plan.prep
-        x = input if prep == 0 else input.contiguous() if prep == 1 else input.contiguous(memory_format=_CL)
+        x = input if prep == 0 else input.contiguous(memory_format=_CL) if prep == 2 else input.contiguous()
+        if prep == 3 and x.data_ptr() % 16:  # a view between two 16-byte boundaries: a dense copy from one
+            x = x.clone()
         w = weight if plan.w_asis else weight.contiguous()
         if bias is None:
             b = 0

@@ -40,6 +40,8 @@ class Family:
         always compute exact float32 and specs for them carry MATH='ieee'.
     wide_weights: whether it indexes weights in 64 bits (KgW::at64). The others index in
         32 bits and refuse weights of 2^31 elements or more.
+    aligned_input: whether it needs its (dense) input to start on a 16-byte boundary, as the
+        TMA does: a call whose input view starts between two is handed a copy that does not.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Family:
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     tf32: bool = False
     wide_weights: bool = False
+    aligned_input: bool = False
 
     def check(self, spec: "ConvSpec") -> None:
         """Raise Unsupported(reason) if this family cannot compute `spec` correctly."""
