@@ -18,7 +18,20 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.064 / 0.071 (direct) / 0.064; of 8 on 28 x 28 TF32 0.073 / 0.109 / 0.058, bf16 0.055 /
    0.107 / 0.044; of 16 on 14 x 14 (nhwc keeps it; 4 x 1 tiles) TF32 0.067 / 0.063 / 0.041, bf16 0.059 /
    0.053 / 0.032, strict 0.067 (FMAs are exact) / 0.097 (3xTF32) / 0.257.
-2. nhwc_tma (sm_90a): dense channels_last layers in TF32 and 16-bit whose reduction is 4
+2. pointwise_tma (sm_90a): NCHW 1x1 layers at stride 1 without padding, TF32 and 16-bit, from 256
+   input channels or more into 64 or more, on planes the TMA can address (whole 16-byte chunks of pixels): the
+   input read where it lies by the TMA, wgmma's A fragments (pixels x channels) loaded from its
+   boxes by the consumers, the output written straight to NCHW. The families before it transpose
+   the input first (nhwc) or run mma.sync over per-thread copies (pointwise), whose loop
+   overhead grows with the reduction. H100, same process, three rounds, ms (pointwise_tma / the
+   family it replaced / F.conv2d), TF32 then bf16: 256->64 on 32 x 56 x 56 0.083 / 0.104
+   (pointwise) / 0.083 and 0.062 / 0.090 / 0.055; 512->128 on 32 x 28 x 28 0.073 / 0.083
+   (pointwise) / 0.066 and 0.037 / 0.069 / 0.030; 1024->256 on 8 x 64 x 64 0.115 / 0.234
+   (pointwise) / 0.132 and 0.072 / 0.185 (nhwc) / 0.060; 256->1024 on 32 x 14 x 14 TF32 0.061 /
+   0.072 (nhwc) / 0.056. Shorter reductions stay: 64->64 on 32 x 56 x 56 bf16 0.056 / 0.043
+   (pointwise), 144->24 TF32 0.068 / 0.060 and bf16 0.045 / 0.036, 24->144 bf16 0.065 / 0.052
+   (TF32 0.070 / 0.079), case 87 (64->128) TF32 4.85 / 4.83 and bf16 2.55 / 2.41.
+3. nhwc_tma (sm_90a): dense channels_last layers in TF32 and 16-bit whose reduction is 4
    k-tiles (of 128 bytes of one tap's channels) or more, and in TF32 only where the tap windows
    read each input element 4 times or more (kh*kw >= 4*sh*sw), since TF32 pays a rounded copy of
    the whole input: the implicit GEMM of nhwc with the output channels as wgmma's M, its input
@@ -84,7 +97,7 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    28 TF32 0.070 / 0.094 (F.conv2d 0.050), bf16 0.065 / 0.075; 256->64 0.039 / 0.061, bf16 0.033
    / 0.052; but not 1024->256 (bf16 0.252 / 0.149) or 128->512 (TF32 0.094 / 0.071), and not
    on 14 x 14 (1024->256 TF32 0.121 / 0.073).
-3. wgmma (sm_90a only): float32 (TF32, or strict as 3xTF32), bf16 and fp16, column
+4. wgmma (sm_90a only): float32 (TF32, or strict as 3xTF32), bf16 and fp16, column
    stride 1, at least 64 output channels per group, one full wgmma k-step of input
    channels per group (8 float32, 16 bf16/fp16) and a reduction CIN_G*KH*KW >= 128
    (>= 64 for strict float32): Hopper's warpgroup MMA reads both operands from shared
@@ -104,13 +117,13 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    bf16 0.191 / 0.233 / 0.076; but 256->64 on 32 x 56 x 56 TF32 0.123 / 0.100 / 0.088, bf16
    0.114 / 0.084 / 0.055; 512->128 TF32 0.319 / 0.227 / 0.125; 1024->256 on 8 x 64 x 64 TF32
    0.332 / 0.220 / 0.109.
-4. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
+5. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
-5. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
+6. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
    reduction (CIN_G*KH*KW) is long enough to feed tensor cores. Below 4 channels too
    for TF32 and 16-bit, and for strict float32 (3xTF32) with at most 9 kernel taps or
    with its taps packed into the reduction (pack_k: stems such as 3->64 7x7 stride 2).
-6. direct: everything else (tiny channel counts, float64, depthwise kernels over 9x9 in
+7. direct: everything else (tiny channel counts, float64, depthwise kernels over 9x9 in
    channels_last, strided layouts the fast families do not take). It honours arbitrary strides, so it never copies.
 
 Layout: the output's memory format follows F.conv2d (channels_last if the input or
@@ -137,8 +150,8 @@ from .families import get_family
 from .families.nhwc_tma import k_tiles as tma_k_tiles
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "nhwc_tma", "nhwc", "wgmma", "pointwise", "igemm",
-              "direct")
+CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma", "pointwise",
+              "igemm", "direct")
 CPU_ORDER = ("cpu_direct",)
 
 
@@ -203,7 +216,7 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
 
 def _nchw_wide(spec: ConvSpec) -> bool:
     """NCHW dense k x k layers that nhwc serves faster than the NCHW families on any plane
-    (module docstring, item 2): 2-9 taps from >= 96 input channels (16-bit: 128). Not strict
+    (module docstring, item 3): 2-9 taps from >= 96 input channels (16-bit: 128). Not strict
     float32 (wgmma's 3xTF32 wins there)."""
     kh, kw = spec.kernel_size
     if spec.groups != 1 or (spec.dtype == "float32" and spec.math == "ieee"):
@@ -213,7 +226,7 @@ def _nchw_wide(spec: ConvSpec) -> bool:
 
 def _nchw_1x1(spec: ConvSpec, problem: Problem) -> str | None:
     """The family for an NCHW dense 1x1 layer from >= 128 input channels in TF32 or 16-bit
-    (module docstring, items 2-4), or None where the general rules decide. Of the three that
+    (module docstring, items 3-5), or None where the general rules decide. Of the three that
     serve it, by output plane and channels: planes up to 32 x 32 nhwc, except pointwise for
     reductions to a quarter or less from at most 512 channels on planes of 28 x 28 or more;
     larger planes nhwc from 256 into 256 or more (float32: into at least half as many), wgmma
@@ -246,6 +259,8 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         vec = 4 if spec.dtype == "float32" else 8
         return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
                 or (spec.dtype == "float32" and math == "ieee"))
+    if name == "pointwise_tma":  # long reductions into at least one whole wgmma N
+        return spec.in_channels >= 256 and spec.out_channels >= 64
     if name == "nhwc_tma":
         (sh, sw), k_tiles = spec.stride, tma_k_tiles(spec)
         if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)

@@ -46,7 +46,7 @@ R50 = {
 SMALL_PLANES = ("l2.3x3.s2", "l2.down.s2", "l4.3x3", "l4.1x1")  # output planes of 28 x 28 and 7 x 7
 
 # On Hopper, nhwc_tma takes the channels_last layers of 4 k-tiles or more, in TF32 only where
-# the windows read each input element 4 times or more (dispatch.py, item 2): layer -> (TF32, 16-bit).
+# the windows read each input element 4 times or more (dispatch.py, item 3): layer -> (TF32, 16-bit).
 HOPPER_CL = {"l1.3x3": ("nhwc_tma", "nhwc_tma"), "l2.3x3.s2": ("nhwc", "nhwc_tma"),
              "l2.down.s2": ("nhwc", "nhwc_tma"), "l4.3x3": ("nhwc_tma", "nhwc_tma"), "l4.1x1": ("nhwc", "nhwc_tma")}
 
@@ -54,6 +54,15 @@ HOPPER_CL = {"l1.3x3": ("nhwc_tma", "nhwc_tma"), "l2.3x3.s2": ("nhwc", "nhwc_tma
 def _tma(family, kernel):
     """On Hopper nhwc_tma takes the NCHW k x k layers nhwc would (TF32 and 16-bit; 1x1 ones stay)."""
     return "nhwc_tma" if family == "nhwc" and tuple(kernel) != (1, 1) else family
+
+
+def _pw_tma(family, x, w, kw, esize):
+    """On Hopper pointwise_tma takes the NCHW 1x1 stride-1 layers from 256 input channels into 64
+    or more whose planes are whole 16-byte chunks (dispatch.py, item 2)."""
+    aligned = x[2] * x[3] * esize % 16 == 0
+    if tuple(w[2:]) == (1, 1) and kw.get("stride", 1) == 1 and x[1] >= 256 and w[0] >= 64 and aligned:
+        return "pointwise_tma"
+    return family
 
 
 def _nhwc(*args, **kw):
@@ -127,9 +136,9 @@ def test_nchw_calls_keep_their_families_where_grouped_or_large():
     ((16, 16, 1024, 1024), (128, 16, 3, 3), {}, "wgmma", "wgmma"),
 ])
 def test_nchw_layers_on_large_planes(x, w, kw, tf32, bf16):
-    assert _choose(x, w, channels_last=False, **kw).family == _tma(tf32, w[2:])
-    assert _choose(x, w, dtype="bfloat16", channels_last=False, **kw).family == _tma(bf16, w[2:])
-    assert _choose(x, w, channels_last=False, arch="sm_80", **kw).family != "nhwc_tma"  # Hopper only
+    assert _choose(x, w, channels_last=False, **kw).family == _pw_tma(_tma(tf32, w[2:]), x, w, kw, 4)
+    assert _choose(x, w, dtype="bfloat16", channels_last=False, **kw).family == _pw_tma(_tma(bf16, w[2:]), x, w, kw, 2)
+    assert _choose(x, w, channels_last=False, arch="sm_80", **kw).family not in ("nhwc_tma", "pointwise_tma")  # Hopper
     # strict float32 moves to nhwc on planes up to 32 x 32 only (elsewhere wgmma's 3xTF32 wins)
     small = (x[2] // kw.get("stride", 1)) * (x[3] // kw.get("stride", 1)) <= 1024
     assert (_choose(x, w, math="ieee", channels_last=False, **kw).family == "nhwc") == small

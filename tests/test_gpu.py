@@ -54,7 +54,7 @@ class Case:
     bias: bool
     dtype: str
     precision: str | None
-    layout: str  # contiguous, channels_last, weight_channels_last, strided_view, cl_offset,
+    layout: str  # contiguous, channels_last, weight_channels_last, strided_view, offset, cl_offset,
     # weight_slice, cl_weight_slice
     H: int
     W: int
@@ -707,6 +707,32 @@ def make_nhwc_tma_halo_cases() -> list[Case]:
             for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
 
 
+def make_pointwise_tma_cases() -> list[Case]:
+    """`pointwise_tma` (1x1 NCHW on the TMA and wgmma): planes that end in a partial tile, input
+    channels short of a k-tile and odd k-tile counts, output channels past the last whole block,
+    resident and ring-borne weights, shallow rings that wrap many times, every wgmma N, one and
+    two blocks an SM, unbatched input, a strided view (made dense first) and inputs whose data
+    starts one element past a 16-byte boundary (`offset`)."""
+    rows = [  # N, C, K, bias, dtype, precision, layout, H, W, tiles
+        (2, 64, 128, True, "float32", "tf32", "contiguous", 40, 52, {}),
+        (3, 24, 144, True, "float32", "tf32", "contiguous", 28, 28, {}),
+        (2, 512, 128, False, "bfloat16", None, "contiguous", 14, 16, {}),
+        (3, 96, 64, True, "float16", None, "contiguous", 20, 20, {"block_p": 64, "min_blocks": 2, "stages": 4}),
+        (2, 256, 256, True, "bfloat16", None, "contiguous", 16, 24, {"block_co": 256, "block_p": 64}),
+        (2, 64, 64, True, "float32", "tf32", "offset", 33, 16, {}),
+        (2, 48, 80, False, "bfloat16", None, "offset", 24, 24, {}),
+        (1, 32, 64, True, "float32", "tf32", "strided_view", 8, 40, {}),
+        (2, 96, 128, True, "float32", "tf32", "contiguous", 20, 20, {"wres": 0, "stages": 2}),
+        (0, 16, 64, True, "float32", "tf32", "contiguous", 12, 12, {}),
+        (3, 32, 64, False, "bfloat16", None, "contiguous", 30, 32, {"stages": 2}),
+        (2, 128, 512, True, "float16", None, "contiguous", 64, 64, {"block_co": 64, "block_p": 192, "stages": 3}),
+        (2, 64, 128, False, "float32", "tf32", "offset", 10, 10, {"block_co": 64, "block_p": 64, "min_blocks": 2,
+                                                                 "stages": 3}),
+    ]
+    return [Case(6870 + i, n, c, k, 1, (1, 1), (1, 1), 0, (1, 1), b, dt, prec, lay, h, w, "pointwise_tma",
+                 tuple(sorted(t.items()))) for i, (n, c, k, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+
+
 def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
     """NCHW calls forced onto the `nhwc` family (its input transposed into the workspace, its
     output written in NCHW): make_nhwc_cases' shapes from another seed, on contiguous inputs and
@@ -834,7 +860,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() + make_nhwc_tma_cases(48) + make_nhwc_tma_nchw_cases(24) +
-                                make_nhwc_tma_walk_cases() + make_nhwc_tma_halo_cases()
+                                make_nhwc_tma_walk_cases() + make_nhwc_tma_halo_cases() + make_pointwise_tma_cases()
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
@@ -858,6 +884,9 @@ def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
     b = torch.randn(case.K, generator=g).to(device=device, dtype=dt) if case.bias else None
     if case.layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
+    if case.layout == "offset":  # NCHW, its data one element past an aligned start
+        view = torch.empty(x.numel() + 1, device=device, dtype=dt)[1:].view(x.shape)
+        x = view.copy_(x) if device != "meta" else view
     if case.layout == "cl_offset":  # channels_last, its data one element past an aligned start
         view = torch.empty(x.numel() + 1, device=device, dtype=dt)[1:].view(x.permute(0, 2, 3, 1).shape)
         view = view.permute(0, 3, 1, 2)
@@ -1126,6 +1155,16 @@ MEMCHECK = textwrap.dedent("""
             run_cl(dtype, (2, 32, 12, 70), (128, 32, 3, 3), 0, family="nhwc_tma", padding=(2, 1),
                    tiles={{**halo, "block_co": 128, "block_p": 64}})
             run("nhwc_tma", dtype, (2, 64, 9, 60), (64, 64, 3, 3), padding=1, tiles={{**halo, "block_p": 64}})
+        if "pointwise_tma" in fams and torch.cuda.get_device_capability() == (9, 0):
+            # the input read where it lies, from an aligned start and one element past one; a
+            # plane's partial last tile, output channels past the last whole block, resident
+            # weights and the weights' ring
+            for offset in (0, 1):
+                x = torch.randn(2 * 48 * 20 * 20 + offset, device="cuda", dtype=dtype)[offset:].view(2, 48, 20, 20)
+                w = torch.randn(80, 48, 1, 1, device="cuda", dtype=dtype)
+                kernelgen.conv2d(x, w, torch.randn(80, device="cuda", dtype=dtype), family="pointwise_tma")
+            run("pointwise_tma", dtype, (3, 256, 6, 12), (136, 256, 1, 1), view=False,
+                tiles={{"wres": 0, "stages": 2}})
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)

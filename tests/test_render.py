@@ -149,9 +149,17 @@ def _grid(family, n: int, seed: int = 0) -> list[ConvSpec]:
             family.check(spec)
         except (Unsupported, ValueError):
             continue
-        P, Q = spec.output_size(37, 45)
-        problem = Problem(N=2, H=37, W=45, P=P, Q=Q, arch="sm_90a")
-        tiles = family.default_tiles(spec, problem)
+        problem = tiles = None
+        for H, W in ((37, 45), (40, 48)):  # (the second for families that need planes of whole 16-byte chunks)
+            P, Q = spec.output_size(H, W)
+            problem = Problem(N=2, H=H, W=W, P=P, Q=Q, arch="sm_90a")
+            try:
+                tiles = family.default_tiles(spec, problem)
+                break
+            except Unsupported:
+                continue
+        if tiles is None:
+            continue
         if len(out) % 2 and family.tiles:  # every other spec: a random legal tile choice
             tiles = {name: rng.choice(values) for name, values in family.tiles.items()}
         spec = replace(spec, tiles=tiles)

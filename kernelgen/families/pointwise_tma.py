@@ -1,0 +1,142 @@
+"""`pointwise_tma`: 1x1 convolutions of NCHW inputs on Hopper, read where they lie by the TMA.
+
+Per image, out[n] = W . X[n] with the pixels as wgmma's M and the output channels as its N
+(templates/cuda/pointwise_tma.cu.j2): D[pixel x COUT] = X[n]^T . W^T. An NCHW plane is the
+pixel-major (M-major) form of X[n]^T, which wgmma cannot read from shared memory in TF32, so
+the consumer warpgroups load their A fragments from the landed boxes themselves (rounding TF32
+as they go) and wgmma reads only the weights from shared memory. One producer warp lands each
+k-tile's input boxes (BK channels x `block_p` pixels, 128-byte swizzle) and, unless they are
+resident (`wres`), the weights' box, into a `stages`-deep ring handed over by mbarriers. The
+epilogue writes each output channel's pixel pairs straight to the NCHW output.
+
+Where the other families transpose an NCHW input into a workspace (`nhwc`, `nhwc_tma`) or
+gather it with per-thread copies (`pointwise`), this reads each input element once through the
+TMA and writes each output element once.
+
+Tiles: `block_co` output channels a tile (wgmma's N); `block_p` pixels of one image's plane a
+tile, 64 a consumer warpgroup; `stages` ring slots; `min_blocks` blocks an SM the launch bounds
+ask for; `wres` the weights loaded once a block and kept in shared memory (one block of output
+channels). Blocks are persistent: a grid of those that fit the card, each walking tiles.
+
+It serves sm_90a, groups of one, 1x1 kernels at stride 1 without padding, TF32 and 16-bit, and
+(at launch) planes whose pixel count fills whole 16-byte chunks, which the TMA's strides need.
+The TMA also needs the input to start on a 16-byte boundary (`aligned_input`): kernelgen.conv2d
+copies a view that does not. (Addressing such a view from the boundary before it, with rows that
+overlap by the offset, encodes but stops the H100 with an illegal instruction.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import Unsupported
+from .base import Family
+from .nhwc_tma import SM_SMEM, SMEM_LIMIT, reg_cap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec, Problem
+
+WRES_MAX = 64 * 1024  # resident weights up to this many bytes (the rest of shared memory is the ring)
+
+
+def _esize(spec: "ConvSpec") -> int:
+    return 4 if spec.dtype == "float32" else 2
+
+
+def k_tiles(spec: "ConvSpec") -> int:
+    """The reduction's k-tiles: 128 bytes of input channels each."""
+    return -(-spec.in_channels * _esize(spec) // 128)
+
+
+def plane_fits(spec: "ConvSpec", pixels: int) -> bool:
+    """Whether the TMA can address planes of `pixels` (their rows of bytes whole 16-byte chunks)."""
+    return pixels * _esize(spec) % 16 == 0
+
+
+@dataclass(frozen=True)
+class PointwiseTmaFamily(Family):
+    def layout(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
+        """Compile-time constants of a tile choice (the template static_asserts the same)."""
+        bco, bp, stages, wres = tiles["block_co"], tiles["block_p"], tiles["stages"], tiles.get("wres", 0)
+        slot = bp * 128 + (0 if wres else bco * 128)  # the input boxes (and the weights' box)
+        resident = k_tiles(spec) * bco * 128 if wres else 0
+        ncw = bp // 64
+        return {"BCO": bco, "BP": bp, "STAGES": stages, "NTH": 128 * ncw + 32, "WRES_BYTES": resident,
+                "SMEM_BYTES": resident + stages * slot + 1024,  # 1 KB more to start on a swizzle pattern
+                "STATIC": 8 * (2 * stages + 1),  # the mbarriers
+                # accumulators and 76 more (ptxas 13.0: 90 at N 64, 133-137 at N 128): two sets of A
+                # fragments, addresses, the epilogue
+                "REGS": bco // 2 + 76}
+
+    def check_shape(self, spec: "ConvSpec") -> None:
+        if spec.groups != 1:
+            raise Unsupported("pointwise_tma serves dense layers (groups=1)")
+        if spec.kernel_size != (1, 1) or spec.stride != (1, 1) or any(spec.padding):
+            raise Unsupported(f"pointwise_tma serves 1x1 kernels at stride 1 without padding (got kernel "
+                              f"{spec.kernel_size}, stride {spec.stride}, padding {spec.padding})")
+        if spec.dtype == "float32" and spec.math == "ieee":
+            raise Unsupported("pointwise_tma: strict float32 needs 3xTF32, which wgmma and nhwc run (wgmma would "
+                              "truncate)")
+        self.check_tiles(spec, dict(spec.tiles))
+
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+        lay = self.layout(spec, tiles)
+        if tiles.get("wres", 0) and spec.out_channels > lay["BCO"]:
+            raise Unsupported(f"pointwise_tma: resident weights (wres) hold one block of output channels "
+                              f"({lay['BCO']}), the layer has {spec.out_channels}")
+        if lay["SMEM_BYTES"] + lay["STATIC"] > SMEM_LIMIT:
+            raise Unsupported(f"pointwise_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
+        blocks = tiles.get("min_blocks", 1)
+        if lay["REGS"] > reg_cap(lay["NTH"], blocks):
+            raise Unsupported(f"pointwise_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers "
+                              "exceed the SM's 65536 (wgmma's accumulators stay in registers)")
+        if blocks * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
+            raise Unsupported(f"pointwise_tma: {blocks} blocks of {lay['SMEM_BYTES']} bytes of shared memory exceed "
+                              "the SM's")
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
+        """64 output channels a tile where the layer has no more, else 128; 128 pixels (two consumer
+        warpgroups); the weights resident where they fit WRES_MAX and the layer has one block of
+        output channels; the deepest ring (up to 8) with one block an SM, or two blocks with three
+        slots or more."""
+        if problem.arch != "sm_90a":
+            raise Unsupported(f"pointwise_tma: wgmma and the TMA need sm_90a (target {problem.arch or 'unknown'})")
+        if not plane_fits(spec, problem.H * problem.W):
+            raise Unsupported(f"pointwise_tma: planes of {problem.H} x {problem.W} pixels are not whole 16-byte "
+                              "chunks, which the TMA's strides need")
+        fixed = dict(fixed or {})
+        bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
+        wres = int(spec.out_channels <= bco and k_tiles(spec) * bco * 128 <= WRES_MAX)
+        base = {"block_co": bco, "block_p": 128, "wres": wres, **fixed}
+        reasons = []
+        for blocks, stages in ((1, 8), (1, 7), (1, 6), (2, 4), (2, 3), (1, 5), (1, 4), (1, 3), (1, 2)):
+            if fixed.get("min_blocks", blocks) != blocks or fixed.get("stages", stages) != stages:
+                continue
+            cand = {**base, "min_blocks": blocks, "stages": stages}
+            try:
+                self.check_tiles(spec, cand)
+            except Unsupported as exc:
+                reasons.append(str(exc))
+                continue
+            return cand
+        raise Unsupported(f"no tile configuration fits ({reasons[0] if reasons else 'no ring depth matches the fixed tiles'})")
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        t = dict(spec.tiles)
+        lay = self.layout(spec, t)
+        wbytes = spec.out_channels * k_tiles(spec) * 128
+        return {"BCO": lay["BCO"], "BP": lay["BP"], "STAGES": lay["STAGES"], "SMEM_BYTES": lay["SMEM_BYTES"],
+                "MIN_BLOCKS": t["min_blocks"],
+                "WORKSPACE_BYTES": -(-wbytes // 256) * 256}  # the repacked weights
+
+
+pointwise_tma = PointwiseTmaFamily(
+    name="pointwise_tma", device="cuda", template="cuda/pointwise_tma.cu.j2", layouts=("nchw",),
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, aligned_input=True,
+    tiles={"block_co": (128, 64, 256), "block_p": (128, 64, 192), "stages": (4, 2, 3, 5, 6, 7, 8),
+           "min_blocks": (1, 2), "wres": (0, 1)},
+)
+
+FAMILIES = (pointwise_tma,)

@@ -1,0 +1,151 @@
+"""CPU-tier tests of the `pointwise_tma` family (1x1 NCHW convolutions read by the TMA, wgmma with
+register-held pixel fragments, sm_90a): no GPU needed.
+
+What they cover: which NCHW 1x1 calls the dispatcher sends to it on Hopper and which stay with
+the other families (short reductions, narrow outputs, strides, padding, strict float32, planes
+the TMA cannot address, targets before Hopper, channels_last), that its refusals name the reason,
+that default and forced tiles fit and agree with the template's layout, and (with nvcc) that
+every dtype lowers to wgmma with A from registers fed by tiled TMA copies through mbarriers,
+with no spills.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernelgen import dispatch
+from kernelgen.errors import ConvArgumentError
+from kernelgen.families import get_family
+from kernelgen.families.nhwc_tma import SM_SMEM, SMEM_LIMIT, reg_cap
+from kernelgen.spec import ConvSpec, Problem
+from lowering import NVCC, lower
+
+FAM = get_family("pointwise_tma")
+
+
+def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, family=None, tiles=None, arch="sm_90a",
+            bias=False, channels_last=False):
+    params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
+                  dilation=1, groups=1, dtype=dtype, bias=bias)
+    P, Q = ConvSpec(**params).output_size(x[2], x[3])
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
+    return dispatch.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
+                           family=family, tiles=tiles)
+
+
+L1 = dict(x=(32, 256, 56, 56), w=(64, 256, 1, 1))  # ResNet-50's 256 -> 64
+L2 = dict(x=(32, 512, 28, 28), w=(128, 512, 1, 1))
+WIDE = dict(x=(8, 1024, 64, 64), w=(256, 1024, 1, 1))
+C87 = dict(x=(16, 64, 1024, 1024), w=(128, 64, 1, 1))
+
+
+@pytest.mark.parametrize("layer", [L1, L2, WIDE, dict(x=(32, 256, 14, 14), w=(1024, 256, 1, 1))])
+def test_hopper_takes_long_nchw_1x1_reductions(layer):
+    for dtype in ("float32", "bfloat16", "float16"):
+        aligned = layer["x"][2] * layer["x"][3] * (4 if dtype == "float32" else 2) % 16 == 0
+        assert (_choose(**layer, dtype=dtype).family == "pointwise_tma") == aligned, dtype
+    assert _choose(**layer, math="ieee").family != "pointwise_tma"  # strict float32: 3xTF32 elsewhere
+    assert _choose(**layer, arch="sm_80").family != "pointwise_tma"
+    assert _choose(**layer, arch="sm_90").family != "pointwise_tma"  # wgmma needs the 'a' target
+    assert _choose(**layer, channels_last=True).family != "pointwise_tma"  # NCHW only
+
+
+@pytest.mark.parametrize("layer", [
+    C87,  # 64 input channels: pointwise's mma.sync measured ahead
+    dict(x=(32, 144, 56, 56), w=(24, 144, 1, 1)), dict(x=(32, 24, 56, 56), w=(144, 24, 1, 1)),
+    dict(x=(8, 256, 512, 512), w=(32, 256, 1, 1)),  # under one wgmma N of outputs
+])
+def test_short_reductions_and_narrow_outputs_stay(layer):
+    for dtype in ("float32", "bfloat16"):
+        assert _choose(**layer, dtype=dtype).family != "pointwise_tma"
+    # ... though the family serves them when asked
+    assert _choose(**layer, family="pointwise_tma").family == "pointwise_tma"
+
+
+def test_refusals_name_the_reason():
+    with pytest.raises(ConvArgumentError, match="1x1 kernels at stride 1 without padding"):
+        _choose(L2["x"], (128, 512, 3, 3), padding=1, family="pointwise_tma")
+    with pytest.raises(ConvArgumentError, match="1x1 kernels at stride 1 without padding"):
+        _choose(**L2, stride=2, family="pointwise_tma")
+    with pytest.raises(ConvArgumentError, match="1x1 kernels at stride 1 without padding"):
+        _choose(**L2, padding=1, family="pointwise_tma")
+    with pytest.raises(ConvArgumentError, match="strict float32"):
+        _choose(**L2, math="ieee", family="pointwise_tma")
+    with pytest.raises(ConvArgumentError, match="sm_90a"):
+        _choose(**L2, arch="sm_80", family="pointwise_tma")
+    with pytest.raises(ConvArgumentError, match="16-byte chunks"):  # 7 x 7 planes of bf16: 98 bytes
+        _choose((32, 2048, 7, 7), (512, 2048, 1, 1), dtype="bfloat16", family="pointwise_tma")
+    with pytest.raises(ConvArgumentError, match="takes layouts"):
+        _choose(**L2, channels_last=True, family="pointwise_tma")
+    with pytest.raises(ConvArgumentError, match="one block of output channels"):
+        _choose(**L2, family="pointwise_tma", tiles={"block_co": 64, "wres": 1})
+    with pytest.raises(ConvArgumentError, match="registers"):  # 256 accumulators a thread and more
+        _choose(**WIDE, family="pointwise_tma", tiles={"block_co": 256, "block_p": 128, "stages": 2})
+    with pytest.raises(ConvArgumentError, match="shared memory"):
+        _choose(**WIDE, family="pointwise_tma", tiles={"block_co": 256, "block_p": 192, "stages": 8})
+    params = dict(in_channels=64, out_channels=64, kernel_size=1, stride=1, padding=0, dilation=1, groups=2,
+                  dtype="bfloat16", bias=False)
+    with pytest.raises(ConvArgumentError, match="dense layers"):
+        dispatch.choose(params, "cuda", Problem(4, 8, 8, 8, 8, "sm_90a"), False, "ieee", family="pointwise_tma")
+
+
+@pytest.mark.parametrize("layer", [L1, L2, WIDE, C87, dict(x=(2, 16, 12, 12), w=(80, 16, 1, 1))])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_tiles_fit_and_agree_with_the_layout(layer, dtype):
+    spec = _choose(**layer, dtype=dtype, family="pointwise_tma")
+    t = dict(spec.tiles)
+    lay = FAM.layout(spec, t)
+    assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+    assert t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM
+    assert lay["REGS"] <= reg_cap(lay["NTH"], t["min_blocks"])
+    esize = 4 if dtype == "float32" else 2
+    k_tiles = -(-spec.in_channels * esize // 128)
+    # the weights stay resident where they are one block of output channels of 64 KB or less
+    assert t["wres"] == int(spec.out_channels <= t["block_co"] and k_tiles * t["block_co"] * 128 <= 64 * 1024)
+    ctx = spec.template_context()
+    assert (ctx["BCO"], ctx["BP"], ctx["SMEM_BYTES"]) == (t["block_co"], t["block_p"], lay["SMEM_BYTES"])
+    assert ctx["WORKSPACE_BYTES"] >= spec.out_channels * k_tiles * 128  # the repacked weights
+
+
+def test_resident_weights_where_they_fit():
+    assert dict(_choose(**C87, family="pointwise_tma").tiles)["wres"] == 1  # 2 k-tiles x 128 outputs: 32 KB
+    assert dict(_choose(**L1, family="pointwise_tma").tiles)["wres"] == 1  # 8 k-tiles x 64: 64 KB
+    assert dict(_choose(**L2, family="pointwise_tma").tiles)["wres"] == 0  # 16 k-tiles x 128: 256 KB
+    assert dict(_choose(**WIDE, family="pointwise_tma").tiles)["wres"] == 0  # two blocks of outputs
+
+
+@pytest.mark.nvcc
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("layer,dtype,bias,tiles", [
+    (C87, "float32", True, None),  # resident weights
+    (L2, "bfloat16", False, None),  # the weights' ring
+    (L1, "float16", True, {"block_p": 64, "min_blocks": 2, "stages": 4}),
+    (WIDE, "float32", False, {"block_co": 256, "block_p": 64}),
+    (WIDE, "bfloat16", True, {"block_co": 64, "block_p": 192, "stages": 3}),
+])
+def test_lowers_to_wgmma_with_register_fragments_without_spills(layer, dtype, bias, tiles, tmp_path):
+    spec = _choose(**layer, dtype=dtype, bias=bias, family="pointwise_tma", tiles=tiles)
+    text, report = lower(spec, tmp_path)
+    t = dict(spec.tiles)
+    ab = {"float32": "tf32.tf32", "bfloat16": "bf16.bf16", "float16": "f16.f16"}[dtype]
+    k = 8 if dtype == "float32" else 16
+    assert f"wgmma.mma_async.sync.aligned.m64n{t['block_co']}k{k}.f32.{ab}" in text
+    # the input's 3-D boxes, the weights' 2-D ones, mbarriers; no mma.sync, no per-thread copies
+    assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    assert "mbarrier.try_wait.parity" in text and "mma.sync" not in text and "cp.async.cg" not in text
+    assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
+    # the main kernel and the weight repack; ptxas serialises no wgmma for the register fragments
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 2, report
+    assert "serialized" not in report, report
+
+
+def test_the_call_hands_it_an_aligned_input():
+    # a view that starts between two 16-byte boundaries is copied first (functional._run)
+    from kernelgen.functional import _PREP, _prep_name
+
+    assert _PREP[_prep_name(_choose(**L2, family="pointwise_tma"))] == 3
+    assert _prep_name(_choose(**L2, family="pointwise")) == "nchw"
+    assert _prep_name(_choose(dict(x=(2, 64, 8, 8))["x"], (64, 64, 3, 3), padding=1, channels_last=True,
+                              family="nhwc_tma")) == "nhwc"
