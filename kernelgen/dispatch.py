@@ -18,19 +18,24 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.064 / 0.071 (direct) / 0.064; of 8 on 28 x 28 TF32 0.073 / 0.109 / 0.058, bf16 0.055 /
    0.107 / 0.044; of 16 on 14 x 14 (nhwc keeps it; 4 x 1 tiles) TF32 0.067 / 0.063 / 0.041, bf16 0.059 /
    0.053 / 0.032, strict 0.067 (FMAs are exact) / 0.097 (3xTF32) / 0.257.
-2. pointwise_tma (sm_90a): NCHW 1x1 layers at stride 1 without padding, TF32 and 16-bit, from 256
-   input channels or more into 64 or more, on planes the TMA can address (whole 16-byte chunks of pixels): the
-   input read where it lies by the TMA, wgmma's A fragments (pixels x channels) loaded from its
-   boxes by the consumers, the output written straight to NCHW. The families before it transpose
-   the input first (nhwc) or run mma.sync over per-thread copies (pointwise), whose loop
-   overhead grows with the reduction. H100, same process, three rounds, ms (pointwise_tma / the
-   family it replaced / F.conv2d), TF32 then bf16: 256->64 on 32 x 56 x 56 0.083 / 0.104
-   (pointwise) / 0.083 and 0.062 / 0.090 / 0.055; 512->128 on 32 x 28 x 28 0.073 / 0.083
-   (pointwise) / 0.066 and 0.037 / 0.069 / 0.030; 1024->256 on 8 x 64 x 64 0.115 / 0.234
-   (pointwise) / 0.132 and 0.072 / 0.185 (nhwc) / 0.060; 256->1024 on 32 x 14 x 14 TF32 0.061 /
-   0.072 (nhwc) / 0.056. Shorter reductions stay: 64->64 on 32 x 56 x 56 bf16 0.056 / 0.043
-   (pointwise), 144->24 TF32 0.068 / 0.060 and bf16 0.045 / 0.036, 24->144 bf16 0.065 / 0.052
-   (TF32 0.070 / 0.079), case 87 (64->128) TF32 4.85 / 4.83 and bf16 2.55 / 2.41.
+2. pointwise_tma (sm_90a): NCHW 1x1 layers at stride 1 without padding, TF32 and 16-bit, from 96
+   input channels or more into 64 or more, on planes the TMA can address (whole 16-byte chunks of
+   pixels): the input read where it lies by the TMA, wgmma's A fragments (pixels x channels) loaded
+   from its boxes by the consumers, the output written straight to NCHW. The families it replaced
+   transpose the input first (nhwc) or run mma.sync over per-thread copies (pointwise, wgmma's
+   halo tiles), whose loop overhead grows with the reduction. H100, same process, three rounds,
+   ms (pointwise_tma / the family it replaced / F.conv2d), TF32 then bf16: 96->96 on 32 x 56 x 56
+   0.066 / 0.085 (pointwise) / 0.058 and 0.053 / 0.068 / 0.050; 128->128 0.069 / 0.104 / 0.063 and
+   0.064 / 0.102 / 0.058; 128->512 0.145 / 0.227 (wgmma) / 0.150 and 0.091 / 0.138 / 0.086; on 32 x
+   28 x 28 0.061 / 0.076 (nhwc) / 0.065 and 0.075 / 0.088 / 0.073; 192->64 0.029 / 0.061 (nhwc) and
+   0.050 / 0.056 / 0.045; 256->64 on 32 x 56 x 56 0.083 / 0.104 / 0.083 and 0.062 / 0.090 / 0.055;
+   512->128 on 32 x 28 x 28 0.073 / 0.083 / 0.066 and 0.037 / 0.069 / 0.030; 1024->256 on 8 x 64 x
+   64 0.115 / 0.234 / 0.132 and 0.072 / 0.185 (nhwc) / 0.060; 1024->1024 0.301 / 0.651 (nhwc) /
+   0.258 and 0.175 / 0.372 / 0.134; 256->1024 on 32 x 14 x 14 TF32 0.061 / 0.072 (nhwc) / 0.056.
+   64 input channels stay on pointwise (bf16 64->64 on 32 x 56 x 56 0.056 / 0.043, 64->256 0.057
+   / 0.059 and TF32 0.085 / 0.094: even or apart by a run's noise; case 87 TF32 4.85 / 4.83, bf16
+   2.55 / 2.41), as do fewer (24->144 bf16 0.065 / 0.052) and outputs under a wgmma N (144->24
+   TF32 0.068 / 0.060).
 3. nhwc_tma (sm_90a): dense channels_last layers in TF32 and 16-bit whose reduction is 4
    k-tiles (of 128 bytes of one tap's channels) or more, and in TF32 only where the tap windows
    read each input element 4 times or more (kh*kw >= 4*sh*sw), since TF32 pays a rounded copy of
@@ -231,7 +236,9 @@ def _nchw_1x1(spec: ConvSpec, problem: Problem) -> str | None:
     reductions to a quarter or less from at most 512 channels on planes of 28 x 28 or more;
     larger planes nhwc from 256 into 256 or more (float32: into at least half as many), wgmma
     into twice the inputs or more, or 16-bit from over 256, else pointwise. Where the pick
-    refuses the spec the dispatcher's order goes on (pointwise takes any 1x1)."""
+    refuses the spec the dispatcher's order goes on (pointwise takes any 1x1). On Hopper
+    pointwise_tma comes first (item 2): this decides its 64-channel layers, planes it cannot
+    address and strict float32."""
     if (spec.layout != "nchw" or spec.groups != 1 or spec.kernel_size != (1, 1) or spec.in_channels < 128
             or (spec.dtype == "float32" and spec.math == "ieee")):
         return None
@@ -259,8 +266,8 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         vec = 4 if spec.dtype == "float32" else 8
         return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
                 or (spec.dtype == "float32" and math == "ieee"))
-    if name == "pointwise_tma":  # long reductions into at least one whole wgmma N
-        return spec.in_channels >= 256 and spec.out_channels >= 64
+    if name == "pointwise_tma":  # reductions of 96 channels or more into at least one whole wgmma N
+        return spec.in_channels >= 96 and spec.out_channels >= 64
     if name == "nhwc_tma":
         (sh, sw), k_tiles = spec.stride, tma_k_tiles(spec)
         if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)

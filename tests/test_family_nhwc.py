@@ -57,10 +57,10 @@ def _tma(family, kernel):
 
 
 def _pw_tma(family, x, w, kw, esize):
-    """On Hopper pointwise_tma takes the NCHW 1x1 stride-1 layers from 256 input channels into 64
+    """On Hopper pointwise_tma takes the NCHW 1x1 stride-1 layers from 96 input channels into 64
     or more whose planes are whole 16-byte chunks (dispatch.py, item 2)."""
     aligned = x[2] * x[3] * esize % 16 == 0
-    if tuple(w[2:]) == (1, 1) and kw.get("stride", 1) == 1 and x[1] >= 256 and w[0] >= 64 and aligned:
+    if tuple(w[2:]) == (1, 1) and kw.get("stride", 1) == 1 and x[1] >= 96 and w[0] >= 64 and aligned:
         return "pointwise_tma"
     return family
 

@@ -39,8 +39,9 @@ WIDE = dict(x=(8, 1024, 64, 64), w=(256, 1024, 1, 1))
 C87 = dict(x=(16, 64, 1024, 1024), w=(128, 64, 1, 1))
 
 
-@pytest.mark.parametrize("layer", [L1, L2, WIDE, dict(x=(32, 256, 14, 14), w=(1024, 256, 1, 1))])
-def test_hopper_takes_long_nchw_1x1_reductions(layer):
+@pytest.mark.parametrize("layer", [L1, L2, WIDE, dict(x=(32, 256, 14, 14), w=(1024, 256, 1, 1)),
+                                   dict(x=(32, 128, 56, 56), w=(512, 128, 1, 1)), dict(x=(32, 96, 56, 56), w=(96, 96, 1, 1))])
+def test_hopper_takes_nchw_1x1_reductions_from_96_channels(layer):
     for dtype in ("float32", "bfloat16", "float16"):
         aligned = layer["x"][2] * layer["x"][3] * (4 if dtype == "float32" else 2) % 16 == 0
         assert (_choose(**layer, dtype=dtype).family == "pointwise_tma") == aligned, dtype
@@ -51,7 +52,8 @@ def test_hopper_takes_long_nchw_1x1_reductions(layer):
 
 
 @pytest.mark.parametrize("layer", [
-    C87,  # 64 input channels: pointwise's mma.sync measured ahead
+    C87,  # 64 input channels: pointwise's mma.sync measured ahead or even
+    dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1)),
     dict(x=(32, 144, 56, 56), w=(24, 144, 1, 1)), dict(x=(32, 24, 56, 56), w=(144, 24, 1, 1)),
     dict(x=(8, 256, 512, 512), w=(32, 256, 1, 1)),  # under one wgmma N of outputs
 ])
