@@ -711,8 +711,9 @@ def make_pointwise_tma_cases() -> list[Case]:
     """`pointwise_tma` (1x1 NCHW on the TMA and wgmma): planes that end in a partial tile, input
     channels short of a k-tile and odd k-tile counts, output channels past the last whole block,
     resident and ring-borne weights, shallow rings that wrap many times, every wgmma N, one and
-    two blocks an SM, unbatched input, a strided view (made dense first) and inputs whose data
-    starts one element past a 16-byte boundary (`offset`)."""
+    two blocks an SM, unbatched input, a strided view (made dense first), inputs whose data
+    starts one element past a 16-byte boundary (`offset`, copied first) and planes narrower than
+    one of the TMA's boxes."""
     rows = [  # N, C, K, bias, dtype, precision, layout, H, W, tiles
         (2, 64, 128, True, "float32", "tf32", "contiguous", 40, 52, {}),
         (3, 24, 144, True, "float32", "tf32", "contiguous", 28, 28, {}),
@@ -728,6 +729,10 @@ def make_pointwise_tma_cases() -> list[Case]:
         (2, 128, 512, True, "float16", None, "contiguous", 64, 64, {"block_co": 64, "block_p": 192, "stages": 3}),
         (2, 64, 128, False, "float32", "tf32", "offset", 10, 10, {"block_co": 64, "block_p": 64, "min_blocks": 2,
                                                                  "stages": 3}),
+        # planes narrower than one box (2 x 2 float32, 2 x 4 and 1 x 8 16-bit), as the dispatcher sends them
+        (4, 128, 64, True, "float32", "tf32", "contiguous", 2, 2, {}),
+        (3, 96, 80, False, "bfloat16", None, "contiguous", 2, 4, {}),
+        (1, 256, 64, True, "float16", None, "contiguous", 1, 8, {}),
     ]
     return [Case(6870 + i, n, c, k, 1, (1, 1), (1, 1), 0, (1, 1), b, dt, prec, lay, h, w, "pointwise_tma",
                  tuple(sorted(t.items()))) for i, (n, c, k, b, dt, prec, lay, h, w, t) in enumerate(rows)]
