@@ -151,3 +151,9 @@ def test_the_call_hands_it_an_aligned_input():
     assert _prep_name(_choose(**L2, family="pointwise")) == "nchw"
     assert _prep_name(_choose(dict(x=(2, 64, 8, 8))["x"], (64, 64, 3, 3), padding=1, channels_last=True,
                               family="nhwc_tma")) == "nhwc"
+
+
+def test_a_forced_ring_outside_the_defaults_is_tried():
+    t = dict(_choose(**L1, family="pointwise_tma", tiles={"block_co": 64, "block_p": 64, "min_blocks": 2,
+                                                          "stages": 5}).tiles)
+    assert (t["min_blocks"], t["stages"]) == (2, 5)

@@ -9,7 +9,7 @@ problem shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from ..errors import Unsupported
 
@@ -24,6 +24,28 @@ def staged_row(pixels: int, esize: int) -> int:
     the fragment writes of eight rows free of bank conflicts."""
     need, step, rem = pixels + 16 // esize, 128 // esize, (32 if esize == 4 else 16) // esize
     return need + (rem - need) % step
+
+
+def first_fit(check: Callable[[dict], None], walks: Iterable[tuple[Mapping[str, int], Iterable[tuple[int, int]]]],
+              fixed: Mapping[str, int]) -> dict:
+    """The first tiles that `check` accepts (it raises Unsupported): for each (base, depths) in
+    `walks`, `base` with each (min_blocks, stages) of `depths` that the forced tiles `fixed` allow
+    (a forced pair outside `depths` tried alone). Raises Unsupported with the first refusal's
+    reason where none fits."""
+    reasons = []
+    for base, depths in walks:
+        order = [(b, s) for b, s in depths if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
+        if not order and "min_blocks" in fixed and "stages" in fixed:
+            order = [(fixed["min_blocks"], fixed["stages"])]
+        for blocks, stages in order:
+            cand = {**base, "stages": stages, "min_blocks": blocks}
+            try:
+                check(cand)
+            except Unsupported as exc:
+                reasons.append(str(exc))
+                continue
+            return cand
+    raise Unsupported(f"no tile configuration fits ({reasons[0] if reasons else 'no ring depth matches the fixed tiles'})")
 
 
 @dataclass(frozen=True)

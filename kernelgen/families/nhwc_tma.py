@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family
+from .base import Family, first_fit
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -236,27 +236,15 @@ class NhwcTmaFamily(Family):
         # in one, else persistent blocks that load the weights' box a k-tile
         walks += ([{"persist": 1, "wres": 1, "pipes": 2}, {"persist": 1, "wres": 1}, {"persist": 1}]
                   if wide_cl and bco == 64 else [{}])
-        reasons = []
-        for walk in walks:
-            cand_base = {**base, **walk, **fixed}
+        def depths(cand_base: dict) -> tuple[tuple[int, int], ...]:
             if cand_base.get("halo"):  # window slots: TF32's 2 measured ahead of 3, 16-bit's 3 of 2
-                depths = ((1, 2), (1, 3)) if tf32_cl else ((1, 3), (1, 2))
-            elif cand_base.get("wres"):
-                depths = ((1, 8), (1, 7), (1, 6), (1, 5), (1, 4), (1, 3))
-            else:
-                depths = ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
-            order = [(b, s) for b, s in depths if fixed.get("min_blocks", b) == b and fixed.get("stages", s) == s]
-            if not order and "min_blocks" in fixed and "stages" in fixed:
-                order = [(fixed["min_blocks"], fixed["stages"])]
-            for blocks, stages in order:
-                cand = {**cand_base, "stages": stages, "min_blocks": blocks}
-                try:
-                    self.check_tiles(spec, cand)
-                except Unsupported as exc:
-                    reasons.append(str(exc))
-                    continue
-                return cand
-        raise Unsupported(f"no tile configuration fits ({reasons[0] if reasons else 'no ring depth matches the fixed tiles'})")
+                return ((1, 2), (1, 3)) if tf32_cl else ((1, 3), (1, 2))
+            if cand_base.get("wres"):
+                return ((1, 8), (1, 7), (1, 6), (1, 5), (1, 4), (1, 3))
+            return ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
+
+        bases = [{**base, **walk, **fixed} for walk in walks]
+        return first_fit(lambda c: self.check_tiles(spec, c), [(b, depths(b)) for b in bases], fixed)
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         t = dict(spec.tiles)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family
+from .base import Family, first_fit
 from .nhwc_tma import SM_SMEM, SMEM_LIMIT, reg_cap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,18 +110,8 @@ class PointwiseTmaFamily(Family):
         bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
         wres = int(spec.out_channels <= bco and k_tiles(spec) * bco * 128 <= WRES_MAX)
         base = {"block_co": bco, "block_p": 128, "wres": wres, **fixed}
-        reasons = []
-        for blocks, stages in ((1, 8), (1, 7), (1, 6), (2, 4), (2, 3), (1, 5), (1, 4), (1, 3), (1, 2)):
-            if fixed.get("min_blocks", blocks) != blocks or fixed.get("stages", stages) != stages:
-                continue
-            cand = {**base, "min_blocks": blocks, "stages": stages}
-            try:
-                self.check_tiles(spec, cand)
-            except Unsupported as exc:
-                reasons.append(str(exc))
-                continue
-            return cand
-        raise Unsupported(f"no tile configuration fits ({reasons[0] if reasons else 'no ring depth matches the fixed tiles'})")
+        depths = ((1, 8), (1, 7), (1, 6), (2, 4), (2, 3), (1, 5), (1, 4), (1, 3), (1, 2))
+        return first_fit(lambda c: self.check_tiles(spec, c), [(base, depths)], fixed)
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         t = dict(spec.tiles)
