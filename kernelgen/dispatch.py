@@ -52,6 +52,14 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    so does TF32 over strided or 1x1 windows: 256->512 1x1 stride 2 0.144 / 0.082. (Its TF32
    tiles of 64 output channels have since rounded in shared memory instead of copying: 64->64
    3x3 on 8 x 224 x 224 0.227 against the copy's 0.278; nhwc_tma.py.)
+   Also 16-bit channels_last 1x1 layers (stride 1) of fewer than 64 input channels, whose one
+   k-tile nhwc runs mostly empty: H100, bf16, batch 32, same process, five rounds, ms (nhwc_tma /
+   nhwc / F.conv2d): 16->96 on 112 x 112 0.085 / 0.206 / 0.066; 24->144 on 56 x 56 0.058 / 0.080 /
+   0.046; 48->192 0.060 / 0.093 / 0.049-0.055; 32->128 0.058 / 0.061 / 0.046-0.056; 32->64 on 112 x
+   112 0.070 / 0.110 / 0.062-0.067; 32->192 on 28 x 28 0.048 / 0.049. Not from 64 (64->64 on 56 x
+   56 0.055 / 0.040; 64->256 0.071 / 0.069), nor TF32, whose rounding warps cost more there (24->144
+   0.082 / 0.075; 64->64 0.060 / 0.057; of the 1x1 layers tried only 2048->512 on 7 x 7 gained,
+   0.067 / 0.076).
    NCHW calls too (the input transposed into the workspace as for nhwc, the output written
    straight from the accumulators), for the k x k layers nhwc would take. Same process, ms
    (nhwc_tma / nhwc / F.conv2d), TF32 then bf16: 256->256 3x3 on 8 x 56 x 56 0.170 / 0.198 /
@@ -276,7 +284,10 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
             tf32_narrow = (spec.dtype == "float32" and 32 < spec.out_channels <= 64 and spec.in_channels >= 64
                            and problem.Q % 128 != 0)
             return k_tiles >= 4 and kh * kw > 1 and (tf32_narrow or _worth_it("nhwc", spec, problem, math))
-        return k_tiles >= 4 and (spec.dtype != "float32" or kh * kw >= 4 * sh * sw)
+        # (16-bit 1x1 layers whose input channels fill less than one k-tile too: nhwc's k-tile
+        # rows then run mostly empty)
+        narrow = spec.dtype != "float32" and (kh, kw, sh, sw) == (1, 1, 1, 1) and spec.in_channels < 64
+        return (k_tiles >= 4 or narrow) and (spec.dtype != "float32" or kh * kw >= 4 * sh * sw)
     if name == "nhwc":
         # channels_last calls: always (the NCHW families do not take them). NCHW calls: the 1x1
         # table's pick; else dense layers with output planes of at most 32 x 32, where the

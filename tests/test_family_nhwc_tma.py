@@ -56,6 +56,16 @@ def test_hopper_takes_it_for_long_reductions(layer, tf32, bf16):
     assert _choose(**layer, dtype="bfloat16", arch="sm_90").family == "nhwc"  # wgmma needs the 'a' target
 
 
+def test_narrow_16bit_1x1_layers_take_it():
+    # one partial k-tile of input channels: nhwc runs it mostly empty (dispatch.py, item 3)
+    for x, w in (((32, 24, 56, 56), (144, 24, 1, 1)), ((32, 16, 112, 112), (96, 16, 1, 1))):
+        assert _choose(x, w, dtype="bfloat16").family == "nhwc_tma"
+        assert _choose(x, w, dtype="float16").family == "nhwc_tma"
+        assert _choose(x, w).family == "nhwc"  # TF32: its rounding warps cost more there
+        assert _choose(x, w, dtype="bfloat16", stride=2).family == "nhwc"
+    assert _choose((32, 64, 56, 56), (64, 64, 1, 1), dtype="bfloat16").family == "nhwc"  # a whole k-tile
+
+
 def test_nchw_calls_where_nhwc_would_take_them_with_a_kernel_over_1x1():
     # both transpose an NCHW input into their workspace; nhwc_tma's 1x1 NCHW layers were even or slower
     assert _choose(**VGG256, channels_last=False).family == "nhwc_tma"
