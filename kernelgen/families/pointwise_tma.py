@@ -62,7 +62,7 @@ class PointwiseTmaFamily(Family):
         slot = bp * 128 + (0 if wres else bco * 128)  # the input boxes (and the weights' box)
         resident = k_tiles(spec) * bco * 128 if wres else 0
         ncw = bp // 64
-        return {"BCO": bco, "BP": bp, "STAGES": stages, "NTH": 128 * ncw + 32, "WRES_BYTES": resident,
+        return {"BCO": bco, "BP": bp, "STAGES": stages, "NTH": 128 * ncw + 32,
                 "SMEM_BYTES": resident + stages * slot + 1024,  # 1 KB more to start on a swizzle pattern
                 "STATIC": 8 * (2 * stages + 1),  # the mbarriers
                 # accumulators and 76 more (ptxas 13.0: 90 at N 64, 133-137 at N 128): two sets of A
