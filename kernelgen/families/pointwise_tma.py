@@ -32,21 +32,12 @@ from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
 from .base import Family, first_fit
-from .nhwc_tma import SM_SMEM, SMEM_LIMIT, reg_cap
+from .nhwc_tma import SM_SMEM, SMEM_LIMIT, _esize, k_tiles, reg_cap  # (a 1x1's k-tiles: 128 bytes of channels each)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
 WRES_MAX = 64 * 1024  # resident weights up to this many bytes (the rest of shared memory is the ring)
-
-
-def _esize(spec: "ConvSpec") -> int:
-    return 4 if spec.dtype == "float32" else 2
-
-
-def k_tiles(spec: "ConvSpec") -> int:
-    """The reduction's k-tiles: 128 bytes of input channels each."""
-    return -(-spec.in_channels * _esize(spec) // 128)
 
 
 def plane_fits(spec: "ConvSpec", pixels: int) -> bool:
