@@ -2,8 +2,8 @@
 GPU needed.
 
 What they cover: which calls the dispatcher sends to it (ResNeXt's narrow groups in
-channels_last; wider groups only where nhwc would run 3xTF32 or cannot take them) and which it
-never does, that its refusals name the reason, its default tiles and their shared-memory limit,
+channels_last, wider groups only where nhwc would run 3xTF32 or cannot take them; narrow NCHW
+groups through the input's transpose) and which it never does, that its refusals name the reason, its default tiles and their shared-memory limit,
 and (with nvcc) that every dtype and shape of input run lowers with the loads it should, 16-byte
 streaming stores and within its registers (a word or two of spill at most).
 """
@@ -47,8 +47,23 @@ def test_narrow_groups_in_channels_last_go_here(layer, dtype):
     for math in ("tf32", "ieee"):
         spec = _choose(32, cin_g, hw, dtype=dtype, math=math)
         assert spec.family == "grouped_nhwc" and spec.layout == "nhwc" and spec.math == "ieee"
-    # NCHW calls never come here (the family takes channels_last only)
-    assert _choose(32, cin_g, hw, dtype=dtype, channels_last=False).family != "grouped_nhwc"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_narrow_groups_in_nchw_come_here_through_the_transpose(dtype):
+    # against igemm (dispatch.py, item 1): float32 up to 8 channels a group, 16-bit up to 4, strict
+    # float32 up to 16
+    cin_g_max = 8 if dtype == "float32" else 4
+    for layer in ("l1", "l2"):
+        cin_g, hw = RX50[layer]
+        for math in ("tf32", "ieee"):
+            spec = _choose(32, cin_g, hw, dtype=dtype, math=math, channels_last=False)
+            assert spec.layout == "nchw"
+            assert (spec.family == "grouped_nhwc") == (cin_g <= cin_g_max), (layer, math, spec.family)
+    cin_g, hw = RX50["l3"]
+    assert _choose(32, cin_g, hw, dtype=dtype, math="tf32", channels_last=False).family == "igemm"
+    strict = _choose(32, cin_g, hw, dtype=dtype, math="ieee", channels_last=False).family
+    assert strict == ("grouped_nhwc" if dtype == "float32" else "igemm")
 
 
 def test_sixteen_channels_a_group_stay_on_tensor_cores_but_strict_float32_comes_here():
@@ -99,8 +114,9 @@ def test_check_refuses_with_a_reason_for_every_unsupported_dtype_and_layout():
     base = ConvSpec(**_params(4, 4), device="cuda", layout="nhwc", family="grouped_nhwc")
     with pytest.raises(Unsupported, match="dtype float64"):
         FAM.check(base.replace(dtype="float64"))
-    with pytest.raises(Unsupported, match="layout nchw"):
-        FAM.check(base.replace(layout="nchw"))
+    FAM.check(base.replace(layout="nchw"))  # its input transposed into the workspace
+    with pytest.raises(Unsupported, match="layout any"):
+        FAM.check(base.replace(layout="any"))
 
 
 # -- lowering: one spec per run of input and dtype ----------------------------------------------
@@ -152,3 +168,28 @@ def test_lowers_with_its_loads_and_vector_stores_within_registers(name, params, 
         assert spills[False] <= SPILL_SLACK, report
     assert "st.global.cs.v4.u32" in text  # the vector path's 16-byte streaming stores
     assert load in text
+
+
+NCHW_LOWER = [
+    # (name, params, the output run's streaming store: 4 pixels a thread, 16 bytes in float32)
+    ("f32-g4", _params(8, 4), "st.global.cs.v4.u32"),
+    ("bf16-g4-bias", _params(8, 4, bias=True, dtype="bfloat16"), "st.global.cs.v2.u32"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.nvcc
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("name, params, store", NCHW_LOWER, ids=[c[0] for c in NCHW_LOWER])
+def test_nchw_calls_lower_with_the_transpose_and_runs_of_pixels(name, params, store, tmp_path):
+    P, Q = ConvSpec(**params).output_size(30, 32)
+    spec = dispatch.choose(params, "cuda", Problem(N=2, H=30, W=32, P=P, Q=Q, arch="sm_90a"), False, "ieee",
+                           family="grouped_nhwc")
+    assert spec.layout == "nchw"
+    text, report = lower(spec, tmp_path)
+    assert "kg_nhwc_transpose" in text  # the input's transpose into the workspace
+    # three kernels: vector loads with runs of pixels or element-wise stores, and element-wise loads
+    kernels = [line for line in report.splitlines() if "Function properties for" in line and "groupwise" in line]
+    assert len(kernels) == 3, report
+    assert max(_spills(report).values()) <= SPILL_SLACK, report
+    assert store in text

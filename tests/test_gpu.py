@@ -836,6 +836,22 @@ def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
     return cases
 
 
+def make_groupwise_nchw_cases(n: int, seed: int = 6911) -> list[Case]:
+    """NCHW calls forced onto `grouped_nhwc` and `depthwise_nhwc` (the input transposed into the
+    workspace, each output channel's pixels of a strip written to its plane as one run where the
+    planes hold whole strips, else element by element): make_grouped_nhwc_cases' and
+    make_depthwise_nhwc_cases' shapes from other seeds, on contiguous inputs, strided views and
+    weight slices, and row widths that are whole strips of 4 pixels."""
+    rng = random.Random(seed)
+    src = make_grouped_nhwc_cases(n, seed) + make_depthwise_nhwc_cases(n, seed + 1)
+    out = []
+    for i, c in enumerate(src):
+        width = c.W if i % 2 else c.W + (-c.W % 4) + (c.kernel[1] - 1 if c.stride == (1, 1) else 0)
+        out.append(replace(c, idx=6900 + i, W=width, layout=rng.choice(["contiguous", "contiguous", "strided_view",
+                                                                          "weight_slice"])))
+    return out
+
+
 def make_weight_layout_cases(hopper: bool) -> list[Case]:
     """Every family reading a weight that is not contiguous OIHW, through its strides (KgW):
     a channels_last weight (which makes the call channels_last) and a slice of a larger
@@ -869,7 +885,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
-         make_grouped_nhwc_cases(48) + make_weight_layout_cases(HOPPER))
+         make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_weight_layout_cases(HOPPER))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -1184,6 +1200,13 @@ MEMCHECK = textwrap.dedent("""
                 run_cl(dtype, (2, 32, 9, 11), (32, 4, 3, 3), offset, family="grouped_nhwc", groups=8, padding=1)
                 run_cl(dtype, (3, 36, 10, 7), (24, 6, 3, 1), offset, family="grouped_nhwc", groups=6,
                        stride=(2, 1), padding=(1, 0), tiles={{"block_c": 2, "vec_q": 8, "rows": 1}})
+            # NCHW: the input transpose, runs of pixels into whole-strip planes (12 columns) and
+            # element by element (an offset view's 11)
+            run("grouped_nhwc", dtype, (2, 32, 9, 12), (32, 4, 3, 3), view=False, groups=8, padding=1)
+            run("grouped_nhwc", dtype, (3, 36, 10, 12), (24, 6, 3, 1), groups=6, stride=(2, 1))
+        if "depthwise_nhwc" in fams:  # NCHW: the transpose, runs of pixels, element-wise input
+            run("depthwise_nhwc", dtype, (2, 24, 9, 12), (48, 1, 3, 3), view=False, groups=24, padding=1)
+            run("depthwise_nhwc", dtype, (2, 24, 9, 12), (72, 1, 3, 3), groups=24, padding=1)
         staged = dict(tiles={{"stage_out": 1, "min_blocks": 1}})
         if "pointwise" in fams:
             run("pointwise", dtype, (2, 32, 19, 24), (48, 32, 1, 1))

@@ -12,6 +12,11 @@ channel]; the products are float32 FMAs (no tensor cores: a group's reduction of
 channels a tap is too thin for them). The NCHW `depthwise` family stages a plane's window in
 shared memory instead; in channels_last a plane is not contiguous, so this one is separate.
 
+NCHW calls (layout 'nchw') take one more pass: the input is transposed into the workspace as
+dense NHWC (KG_WORKSPACE_PER_INPUT bytes an input element), and each output channel's pixels of
+a strip are written to its NCHW plane as one run. The dispatcher sends NCHW grouped layers of
+narrow groups here, whose NCHW alternative (igemm) runs a thin reduction on tensor cores.
+
 Tile parameters (every combination is a valid kernel where its taps fit in shared memory):
     block_c  channel vectors a block (lanes fastest); a warp's loads and stores are runs
              of block_c * 16 bytes;
@@ -91,7 +96,7 @@ class GroupwiseNhwcFamily(Family):
     name: str = "groupwise_nhwc"
     device: str = "cuda"
     template: str = "cuda/groupwise_nhwc.cu.j2"
-    layouts: tuple[str, ...] = ("nhwc",)
+    layouts: tuple[str, ...] = ("nhwc", "nchw")
     # float64 calls are never channels_last on CUDA (F.conv2d returns them contiguous).
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
@@ -144,8 +149,10 @@ class GroupwiseNhwcFamily(Family):
                                     f"{spec.summary()}; at most {SMEM_LIMIT} (choose a smaller block_c)")
         kh, kw = spec.kernel_size
         fmas = kh * kw * spec.cin_per_group * vec_of(spec.dtype) * tiles["vec_q"]
-        # The template recomputes the size and static_asserts that the two agree.
-        return {"GWN_SMEM_BYTES": need, "UNROLL_KH": fmas <= UNROLL_FMAS}
+        # The template recomputes the size and static_asserts that the two agree; NCHW calls
+        # transpose their input into the workspace.
+        return {"GWN_SMEM_BYTES": need, "UNROLL_KH": fmas <= UNROLL_FMAS,
+                "WORKSPACE_PER_INPUT": ELEMENT_BYTES[spec.dtype] if spec.layout == "nchw" else 0}
 
 
 @dataclass(frozen=True)
