@@ -19,15 +19,15 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.107 / 0.044; of 16 on 14 x 14 (nhwc keeps it; 4 x 1 tiles) TF32 0.067 / 0.063 / 0.041, bf16 0.059 /
    0.053 / 0.032, strict 0.067 (FMAs are exact) / 0.097 (3xTF32) / 0.257.
    NCHW grouped layers go there too (the input transposed into the workspace, the output written
-   to NCHW), against igemm's thin reduction on tensor cores: float32 up to 8 channels a group,
-   16-bit up to 4, strict float32 up to 16. H100, batch 32, same process, three rounds, ms
+   to NCHW), against igemm's thin reduction on tensor cores: up to 8 channels a group, 16 in
+   strict float32. H100, batch 32, same process, three rounds (five for the second 28 x 28), ms
    (grouped_nhwc / igemm / F.conv2d), TF32, strict, bf16: groups of 4 on 56 x 56 0.112 / 0.220 /
-   0.176, 0.116 / 0.300 / 0.485, 0.102 / 0.223 / 0.131; of 8 on 28 x 28 0.090 / 0.125 / 0.108,
-   0.097 / 0.141 / 0.274, bf16 0.200 / 0.161 (stays); of 8 at stride 2 from 56 x 56 0.191 / 0.239
-   / 0.171, 0.189 / 0.243 / 0.241, bf16 0.146 / 0.161 / 0.127 (stays: within a run's noise); of 16
-   on 14 x 14 strict 0.092 / 0.102 / 0.269, TF32 even (0.093 / 0.092) and bf16 0.092 / 0.070
-   (stay). NCHW depthwise stays on `depthwise` (depthwise_nhwc through the transpose: 960
-   channels on 7 x 7 0.052 / 0.044, 384 on 14 x 14 0.078 / 0.036).
+   0.176, 0.116 / 0.300 / 0.485, 0.102 / 0.223 / 0.131; of 8 on 28 x 28 0.094 / 0.122 / 0.104,
+   0.097 / 0.141 / 0.274, 0.077 / 0.107 / 0.078; of 8 at stride 2 from 56 x 56 0.191 / 0.239 /
+   0.171, 0.189 / 0.243 / 0.241, 0.146 / 0.161 / 0.127; of 16 on 14 x 14 strict 0.092 / 0.102 /
+   0.269, but TF32 0.094 / 0.085 and bf16 0.088 / 0.070 (stay). Runs of 2 pixels (vec_q 2, which
+   divides 14) lost to 4 on every such layer. NCHW depthwise stays on `depthwise` (depthwise_nhwc
+   through the transpose: 960 channels on 7 x 7 0.052 / 0.044, 384 on 14 x 14 0.078 / 0.036).
 2. pointwise_tma (sm_90a): NCHW 1x1 layers at stride 1 without padding, TF32 and 16-bit, from 96
    input channels or more into 64 or more, on planes the TMA can address (whole 16-byte chunks of
    pixels): the input read where it lies by the TMA, wgmma's A fragments (pixels x channels) loaded
@@ -278,9 +278,8 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
     kh, kw = spec.kernel_size
     strict = spec.dtype == "float32" and spec.math == "ieee"
     if name == "grouped_nhwc":
-        if spec.layout == "nchw":  # against igemm: float32 up to 8 channels a group, 16-bit up to 4
-            return (spec.cin_per_group <= (8 if spec.dtype == "float32" else 4)
-                    or (spec.dtype == "float32" and math == "ieee"))
+        if spec.layout == "nchw":  # against igemm: up to 8 channels a group, 16 in strict float32
+            return spec.cin_per_group <= 8 or (spec.dtype == "float32" and math == "ieee")
         # Float32 FMAs beat nhwc's tensor cores up to 8 channels a group; past that, only where
         # nhwc would run strict float32 (3xTF32) or cannot take the group (channels that are
         # not whole 16-byte chunks).
