@@ -131,7 +131,8 @@ def test_code_digest_is_stable():
 # ---- every CUDA family through nvcc --------------------------------------------------------------
 
 def _grid(family, n: int, seed: int = 0) -> list[ConvSpec]:
-    """Up to n specs the family accepts, spread over the parameter space, with varied tiles."""
+    """Up to n specs the family accepts, spread over the parameter space and the layouts it takes
+    (in turn), with varied tiles."""
     rng = random.Random(seed)
     kernels = [(1, 1), (3, 3), (3, 1), (1, 3), (5, 7), (2, 2)]
     out, seen = [], set()
@@ -145,7 +146,8 @@ def _grid(family, n: int, seed: int = 0) -> list[ConvSpec]:
             continue
         try:
             spec = ConvSpec(cin, cout, k, stride=s, padding=pad, dilation=d, groups=groups, dtype=dtype, bias=bias,
-                            device="cuda", layout=family.layouts[0], math=math, family=family.name)
+                            device="cuda", layout=family.layouts[len(out) % len(family.layouts)], math=math,
+                            family=family.name)
             family.check(spec)
         except (Unsupported, ValueError):
             continue
