@@ -62,6 +62,22 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    so does TF32 over strided or 1x1 windows: 256->512 1x1 stride 2 0.144 / 0.082. (Its TF32
    tiles of 64 output channels have since rounded in shared memory instead of copying: 64->64
    3x3 on 8 x 224 x 224 0.227 against the copy's 0.278; nhwc_tma.py.)
+   TF32 channels_last layers of more than 64 output channels take its a_regs tiles, whatever their
+   window or reduction: the GEMM turned round (pixels as wgmma's M), each consumer loading and
+   rounding its A fragments in registers, so there is no rounded copy; persistent blocks of 128
+   pixels (one block a tile of 64 where 128-pixel tiles would number under 66). H100, batch 32 unless named, same
+   process, five rounds, ms (a_regs / the default before / F.conv2d): 1x1 64->256 on 56 x 56
+   0.087 / 0.097 (nhwc) / 0.087; 256->64 0.083 / 0.087 / 0.072; 24->144 0.055 / 0.064 / 0.053;
+   512->128 on 28 x 28 0.066 / 0.068 / 0.061; 256->1024 on 14 x 14 0.053 / 0.063 / 0.050; 2048->512
+   on 7 x 7 (64 pixels) 0.049 / 0.066 / 0.037; stride 2 256->512 from 56 x 56 0.065 / 0.082 / 0.054,
+   512->1024 from 28 x 28 0.056 / 0.075 / 0.045; 3x3 stride 2 128->128 from 56 x 56 0.072 / 0.099 /
+   0.062, 64->64 from 112 x 112 0.091 / 0.114 / 0.082, 256->256 from 28 x 28 0.062 / 0.093 / 0.057;
+   3x3 128->128 on 28 x 28 0.062 / 0.065 (nhwc_tma, rounded copy) / 0.057; 256->256 on 14 x 14
+   0.059 / 0.063 / 0.056, on 8 x 56 x 56 0.132 / 0.143 / 0.157; 512->512 on 16 x 14 x 14 0.098 /
+   0.111 / 0.080, on 7 x 7 (64 pixels) 0.082 / 0.098 / 0.064. Not at 64 output channels or fewer
+   (1x1 64->64 0.066 / 0.063 (nhwc); 144->24 0.072 / 0.064; 3x3 64->64 on 56 x 56 0.102 / 0.100,
+   on 8 x 224 x 224 0.259 / 0.227 with halo tiles), nor in bf16 (512->512 3x3 on 7 x 7 0.067 /
+   0.059, 256->256 on 14 x 14 0.047 / 0.040, 256->512 1x1 stride 2 0.047 / 0.044).
    Also 16-bit channels_last 1x1 layers (stride 1) of fewer than 64 input channels, whose one
    k-tile nhwc runs mostly empty: H100, bf16, batch 32, same process, five rounds, ms (nhwc_tma /
    nhwc / F.conv2d): 16->96 on 112 x 112 0.085 / 0.206 / 0.066; 24->144 on 56 x 56 0.058 / 0.080 /
@@ -296,6 +312,10 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
             tf32_narrow = (spec.dtype == "float32" and 32 < spec.out_channels <= 64 and spec.in_channels >= 64
                            and problem.Q % 128 != 0)
             return k_tiles >= 4 and kh * kw > 1 and (tf32_narrow or _worth_it("nhwc", spec, problem, math))
+        # TF32 with a_regs tiles (the default past 64 output channels) pays no rounded copy, and
+        # beat nhwc on short, strided and 1x1 windows too
+        if spec.dtype == "float32" and dict(spec.tiles).get("a_regs", 0) == 1:
+            return True
         # (16-bit 1x1 layers whose input channels fill less than one k-tile too: nhwc's k-tile
         # rows then run mostly empty)
         narrow = spec.dtype != "float32" and (kh, kw, sh, sw) == (1, 1, 1, 1) and spec.in_channels < 64

@@ -47,8 +47,10 @@ SMALL_PLANES = ("l2.3x3.s2", "l2.down.s2", "l4.3x3", "l4.1x1")  # output planes 
 
 # On Hopper, nhwc_tma takes the channels_last layers of 4 k-tiles or more, in TF32 only where
 # the windows read each input element 4 times or more (dispatch.py, item 3): layer -> (TF32, 16-bit).
-HOPPER_CL = {"l1.3x3": ("nhwc_tma", "nhwc_tma"), "l2.3x3.s2": ("nhwc", "nhwc_tma"),
-             "l2.down.s2": ("nhwc", "nhwc_tma"), "l4.3x3": ("nhwc_tma", "nhwc_tma"), "l4.1x1": ("nhwc", "nhwc_tma")}
+# (TF32 layers of more than 64 output channels on nhwc_tma's a_regs tiles, dispatch.py item 3)
+HOPPER_CL = {"l1.3x3": ("nhwc_tma", "nhwc_tma"), "l2.3x3.s2": ("nhwc_tma", "nhwc_tma"),
+             "l2.down.s2": ("nhwc_tma", "nhwc_tma"), "l4.3x3": ("nhwc_tma", "nhwc_tma"),
+             "l4.1x1": ("nhwc_tma", "nhwc_tma")}
 
 
 def _tma(family, kernel):

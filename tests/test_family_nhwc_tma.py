@@ -43,9 +43,10 @@ DOWN = dict(x=(32, 256, 56, 56), w=(512, 256, 1, 1), stride=2)
 
 @pytest.mark.parametrize("layer,tf32,bf16", [
     (VGG64, "nhwc_tma", "nhwc_tma"), (VGG256, "nhwc_tma", "nhwc_tma"),
-    (S2, "nhwc", "nhwc_tma"),  # TF32: 9 taps over stride 2 x 2 read the rounded copy 2.25 times
-    (PW, "nhwc", "nhwc"),  # reductions under 4 k-tiles
-    (DOWN, "nhwc", "nhwc_tma"),  # TF32: a 1x1 stride-2 window reads a quarter of the copy once
+    # TF32 past 64 output channels on a_regs tiles (no rounded copy), strided and short windows too
+    (S2, "nhwc_tma", "nhwc_tma"),
+    (PW, "nhwc_tma", "nhwc"),  # 16-bit: a reduction under 4 k-tiles
+    (DOWN, "nhwc_tma", "nhwc_tma"),
 ])
 def test_hopper_takes_it_for_long_reductions(layer, tf32, bf16):
     assert _choose(**layer).family == tf32
@@ -61,9 +62,12 @@ def test_narrow_16bit_1x1_layers_take_it():
     for x, w in (((32, 24, 56, 56), (144, 24, 1, 1)), ((32, 16, 112, 112), (96, 16, 1, 1))):
         assert _choose(x, w, dtype="bfloat16").family == "nhwc_tma"
         assert _choose(x, w, dtype="float16").family == "nhwc_tma"
-        assert _choose(x, w).family == "nhwc"  # TF32: its rounding warps cost more there
+        assert dict(_choose(x, w).tiles)["a_regs"] == 1  # TF32: on a_regs tiles (past 64 output channels)
         assert _choose(x, w, dtype="bfloat16", stride=2).family == "nhwc"
-    assert _choose((32, 64, 56, 56), (64, 64, 1, 1), dtype="bfloat16").family == "nhwc"  # a whole k-tile
+    assert _choose((32, 64, 56, 56), (64, 64, 1, 1), dtype="bfloat16").family == "nhwc"
+    # TF32 1x1 into 64 or fewer: nhwc (the rounding warps cost more there, and a_regs tiles lost)
+    assert _choose((32, 64, 56, 56), (64, 64, 1, 1)).family == "nhwc"
+    assert _choose((32, 144, 56, 56), (24, 144, 1, 1)).family == "nhwc"  # a whole k-tile
 
 
 def test_nchw_calls_where_nhwc_would_take_them_with_a_kernel_over_1x1():
@@ -135,12 +139,15 @@ def test_default_tiles_fit(layer, dtype):
     # 64 output channels a block where the layer has no more; 128 pixels a warpgroup, or (halo
     # tiles, VGG's 224-pixel rows) half a row
     halo = layer is VGG64
+    areg = dtype == "float32" and layer["w"][0] > 64  # TF32 past 64 output channels: a_regs tiles
     assert t["block_co"] == (64 if layer["w"][0] <= 64 else 128) and t["wgn"] == 1
     assert (t["halo"], t["block_p"]) == ((1, 112) if halo else (0, 128))
-    # TF32 rounds 64-channel tiles' pixels in shared memory (4 warps), others take a rounded copy
+    # TF32 rounds 64-channel tiles' pixels in shared memory (4 warps); a_regs tiles in their fragments
     assert t["round_smem"] == (4 if dtype == "float32" and t["block_co"] == 64 else 0)
+    assert t["a_regs"] == areg
     ctx = spec.template_context()
-    assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["WN"] == t["block_p"] and ctx["BCO"] == t["block_co"]
+    assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["BCO"] == t["block_co"]
+    assert ctx["WN"] == (64 if areg else t["block_p"]) and ctx["AREG"] == areg
     assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
     if halo:
         # persistent blocks, one an SM, over windows of 3 rows x 114 pixels; 16-bit with the
@@ -154,6 +161,12 @@ def test_default_tiles_fit(layer, dtype):
         else:
             assert (t["wres"], t["stages"], t["wstages"]) == (0, 2, 4)
             assert lay["SMEM_BYTES"] == 4 * 64 * 128 + 2 * window + staged + 1024
+    elif areg:
+        # persistent blocks, one an SM, of two warpgroups of 64 pixels; each warp stages its rows
+        # apart from the ring
+        assert (t["persist"], t["wres"], t["pipes"], t["min_blocks"]) == (1, 0, 1, 1)
+        assert lay["NTH"] == 2 * 128 + 32 and lay["STAGED"] == 0 and lay["REGS"] <= reg_cap(lay["NTH"], 1)
+        assert lay["SMEM_BYTES"] == t["stages"] * (128 + 128) * 128 + 128 * (128 + 8) * 4 + 1024
     elif dtype == "bfloat16" and t["block_co"] == 64:
         # 16-bit 64-channel tiles: the weights resident (72 KB) under two pipelines, one block an SM
         assert (t["persist"], t["wres"], t["pipes"], t["min_blocks"], t["stages"]) == (1, 1, 2, 1, 3)
@@ -180,12 +193,12 @@ def test_register_and_shared_memory_budgets_follow_ptxas_and_the_driver():
         with pytest.raises(ConvArgumentError, match="registers"):
             _choose((2, 16, 9, 9), (48, 16, 7, 7), stride=2, padding=1, family="nhwc_tma",
                     tiles={**tiles, "stages": 3, "min_blocks": 2})
-    # the defaults of 64- and 128-channel tiles keep two blocks an SM (but halo tiles: one)
+    # the defaults of 64- and 128-channel tiles keep two blocks an SM (but halo and a_regs tiles: one)
     assert dict(_choose(**VGG64, family="nhwc_tma", tiles={"halo": 0}).tiles)["min_blocks"] == 2
-    assert dict(_choose(**VGG256, family="nhwc_tma").tiles)["min_blocks"] == 2
+    assert dict(_choose(**VGG256, family="nhwc_tma", tiles={"a_regs": 0}).tiles)["min_blocks"] == 2
     # the mbarriers' static shared memory (three a slot, the weights' and one pair of the halo
     # weights' ring, which has none here) counts against the 227 KB too
-    spec = _choose(**VGG256, family="nhwc_tma", tiles={"stages": 7, "min_blocks": 1})
+    spec = _choose(**VGG256, family="nhwc_tma", tiles={"stages": 7, "min_blocks": 1, "a_regs": 0})
     lay = FAM.layout(spec, dict(spec.tiles))
     assert lay["STATIC"] == 24 * 7 + 8 + 16 and lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
 
@@ -247,6 +260,44 @@ def test_halo_refusals_say_why():
         _choose(**VGG64, dtype="bfloat16", family="nhwc_tma", tiles={**halo, "block_p": 56})
 
 
+SMALL = dict(x=(32, 512, 7, 7), w=(512, 512, 3, 3), padding=1)  # 52 tiles of 128 pixels x 128 channels
+
+
+@pytest.mark.parametrize("layer,block_p", [(S2, 128), (DOWN, 128), (PW, 128), (VGG256, 128), (SMALL, 64),
+                                           (dict(x=(32, 2048, 7, 7), w=(512, 2048, 1, 1)), 64)])
+def test_tf32_channels_last_past_64_output_channels_takes_a_regs_tiles(layer, block_p):
+    # (dispatch.py item 3 and nhwc_tma.py's default_tiles quote the A/B)
+    t = dict(_choose(**layer).tiles)
+    assert (t["a_regs"], t["persist"], t["round_smem"], t["block_co"], t["block_p"]) == (1, int(block_p == 128), 0, 128,
+                                                                                         block_p)
+    spec = _choose(**layer)
+    lay = FAM.layout(spec, t)
+    assert lay["NTH"] == 128 * block_p // 64 + 32 and lay["REGS"] <= reg_cap(lay["NTH"], t["min_blocks"])
+    assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+    # 16-bit, strict float32, NCHW calls and 64 output channels or fewer keep what they had
+    assert dict(_choose(**layer, dtype="bfloat16", family="nhwc_tma").tiles)["a_regs"] == 0
+    assert _choose(**layer, math="ieee").family == "nhwc"
+    nchw = _choose(**layer, channels_last=False)
+    assert nchw.family != "nhwc_tma" or dict(nchw.tiles)["a_regs"] == 0
+    assert dict(_choose(**VGG64).tiles)["a_regs"] == 0
+    # a forced a_regs=0 gives the tiles before them
+    assert dict(_choose(**VGG256, family="nhwc_tma", tiles={"a_regs": 0}).tiles)["round_smem"] == 0
+
+
+def test_a_regs_refusals_say_why():
+    with pytest.raises(ConvArgumentError, match="channels_last rows"):
+        _choose(**VGG256, channels_last=False, family="nhwc_tma", tiles={"a_regs": 1})
+    with pytest.raises(ConvArgumentError, match="round_smem=0, wgn=1"):
+        _choose(**VGG64, family="nhwc_tma", tiles={"a_regs": 1, "round_smem": 4})
+    with pytest.raises(ConvArgumentError, match="round_smem=0, wgn=1"):
+        _choose(**VGG256, family="nhwc_tma", tiles={"a_regs": 1, "wgn": 2})
+    with pytest.raises(ConvArgumentError, match="64 pixels a warpgroup"):
+        _choose(**VGG256, family="nhwc_tma", tiles={"a_regs": 1, "block_p": 96})
+    with pytest.raises(ConvArgumentError, match="registers"):  # four warpgroups of 64 pixels
+        _choose(**VGG256, family="nhwc_tma", tiles={"a_regs": 1, "block_p": 256, "block_co": 64, "stages": 2,
+                                                   "min_blocks": 1})
+
+
 def test_forced_tiles_hold():
     spec = _choose(**VGG256, dtype="bfloat16", family="nhwc_tma",
                    tiles={"block_co": 64, "block_p": 256, "wgn": 2, "stages": 3})
@@ -268,7 +319,7 @@ def test_forced_tiles_hold():
     (VGG64, "float16", False, {"persist": 1, "wres": 1, "stages": 8, "min_blocks": 1}, True),
     (VGG64, "bfloat16", False, {"persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1}, False),
     (VGG256, "bfloat16", True, {"block_p": 256, "wgn": 2}, True),
-    (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1}, True),
+    (VGG256, "float32", False, {"block_co": 256, "block_p": 64, "stages": 4, "min_blocks": 1, "a_regs": 0}, True),
     # NCHW calls: the input transpose and the direct NCHW epilogue
     (VGG256, "float32", True, None, False), (S2, "bfloat16", False, {"block_p": 256, "wgn": 2}, False),
     # halo tiles: a ring of the weights' boxes (TF32 rounding warps, the rounded copy, 128 output
@@ -279,15 +330,27 @@ def test_forced_tiles_hold():
     (VGG64, "float16", True, {"halo": 1, "stages": 2, "min_blocks": 1, "persist": 1, "wres": 1, "pipes": 2,
                               "block_p": 64}, True),
     (VGG256, "float32", True, {"halo": 1, "stages": 2, "min_blocks": 1, "persist": 1, "block_p": 56}, False),
+    # a_regs tiles: TF32's defaults past 64 output channels (strided and 1x1 windows), 16-bit, wgmma
+    # N 256, halo windows, resident weights under two pipelines
+    (S2, "float32", True, None, True), (DOWN, "float32", False, None, True), (PW, "bfloat16", True, {"a_regs": 1}, True),
+    (VGG256, "float16", False, {"a_regs": 1, "block_co": 256, "block_p": 64, "min_blocks": 1}, True),
+    (VGG64, "float32", True, {"a_regs": 1, "halo": 1, "persist": 1, "stages": 2, "min_blocks": 1, "block_p": 64}, True),
+    (VGG64, "bfloat16", False, {"a_regs": 1, "persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1,
+                                "block_p": 64}, True),
 ])
 def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, tiles, cl, tmp_path):
     spec = _choose(**layer, dtype=dtype, bias=bias, family="nhwc_tma", tiles=tiles, channels_last=cl)
     assert spec.layout == ("nhwc" if cl else "nchw")
     text, report = lower(spec, tmp_path)
     t = dict(spec.tiles)
+    areg = t["a_regs"] == 1
     ab = {"float32": "tf32.tf32", "bfloat16": "bf16.bf16", "float16": "f16.f16"}[dtype]
-    wn = t["block_p"] // t["wgn"]
+    wn = t["block_co"] if areg else t["block_p"] // t["wgn"]  # (a_regs: the output channels are wgmma's N)
     assert f"wgmma.mma_async.sync.aligned.m64n{wn}k{8 if dtype == 'float32' else 16}.f32.{ab}" in text
+    # a_regs: A fragments from ldmatrix into registers (a register operand list), no wgmma serialised
+    assert ("ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text) == areg
+    assert bool(re.search(r"wgmma\.mma_async[^;]*\},\s*\{%r", text)) == areg
+    assert "serialized" not in report, report
     # the im2col operand (halo tiles: a tiled 4-D window instead) and the weights' 2-D boxes
     im2col = "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes" in text
     window = "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
@@ -298,6 +361,7 @@ def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, ti
     # the main kernel, the weight repack, the strided copy, the dense rounding copy and (NCHW) the
     # transpose; NCHW tiles leave straight from the accumulators, channels_last ones as 16-byte rows
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4 + (not cl), report
-    assert ("kg_nhwc_transpose" in text) == (not cl) and bool(re.search(r"bar\.sync\s+%r", text)) == cl  # staging: consumers meet
+    # staging: consumers meet (a_regs warps stage their own rows, with no barrier beyond the warp's)
+    assert ("kg_nhwc_transpose" in text) == (not cl) and bool(re.search(r"bar\.sync\s+%r", text)) == (cl and not areg)
     # 16-bit channels_last tiles stage their fragments with stmatrix, transposed to pixel rows
-    assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text) == (cl and dtype != "float32")
+    assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text) == (cl and dtype != "float32" and not areg)

@@ -608,14 +608,17 @@ def make_nhwc_cases(n: int, seed: int = 6420) -> list[Case]:
     return cases
 
 
-def make_nhwc_tma_cases(n: int, seed: int = 6480) -> list[Case]:
+def make_nhwc_tma_cases(n: int, seed: int = 6480, first: int = 6150, values: Mapping | None = None,
+                        every: int = 2) -> list[Case]:
     """Dense channels_last calls forced onto `nhwc_tma` (Hopper): TF32 and 16-bit, channel counts
     under, at and past one k-tile's 128 bytes, output channels past a block's, kernels 1x1 to 7x7
     with strides, dilations and paddings ('same' included, whose even kernels pad unevenly),
     several images in one pixel tile, tuner tiles, and inputs the TMA cannot address as they lie
-    (`cl_offset`, copied into the workspace) or weights read through their strides."""
+    (`cl_offset`, copied into the workspace) or weights read through their strides. `values`
+    narrows the tuner's tile choices (default: every tile but a_regs), drawn for one case in `every`."""
     rng = random.Random(seed)
     fam = get_family("nhwc_tma")
+    values = {**{k: v for k, v in fam.tiles.items() if k != "a_regs"}, **(values or {})}
     cases = []
     for idx in range(n):
         dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
@@ -628,14 +631,14 @@ def make_nhwc_tma_cases(n: int, seed: int = 6480) -> list[Case]:
         eh, ew = _extent(kernel, dilation)
         H, W = max(rng.randint(3, 48), eh), max(rng.randint(3, 48), ew)
         tiles = ()
-        if idx % 2 == 1:
+        if idx % every == every - 1:  # (a_regs tiles have cases of their own, make_nhwc_tma_areg_cases)
             tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
                 C, K, kernel, stride, 0, dilation, 1, dtype, "cuda", False, "nhwc",
-                "tf32" if dtype == "float32" else "ieee", "nhwc_tma", tuple(pick.items())))
+                "tf32" if dtype == "float32" else "ieee", "nhwc_tma", tuple(pick.items())), values=values)
         layout = rng.choice(["channels_last"] * 4 + ["cl_offset", "cl_weight_slice", "weight_channels_last"])
         if layout == "weight_channels_last" and kernel == (1, 1):  # a 1x1 weight is both: the call stays NCHW
             layout = "channels_last"
-        cases.append(Case(6150 + idx, rng.choice([1, 2, 3, 5]), C, K, 1, kernel, stride, padding, dilation,
+        cases.append(Case(first + idx, rng.choice([1, 2, 3, 5]), C, K, 1, kernel, stride, padding, dilation,
                           rng.random() < 0.5, dtype, precision, layout, H, W, "nhwc_tma", tiles))
     return cases
 
@@ -649,6 +652,44 @@ def make_nhwc_tma_nchw_cases(n: int, seed: int = 6491) -> list[Case]:
     return [replace(c, idx=6700 + i, layout=rng.choice(["contiguous", "strided_view", "weight_slice"]),
                     tiles=tuple((k, 0 if k == "round_smem" else v) for k, v in c.tiles))
             for i, c in enumerate(make_nhwc_tma_cases(n, seed))]
+
+
+def make_nhwc_tma_areg_cases() -> list[Case]:
+    """`nhwc_tma`'s a_regs tiles (pixels as wgmma's M, their fragments loaded and TF32-rounded in
+    registers, the output written from the accumulators): make_nhwc_tma_cases' shapes from another
+    seed with tuner tiles drawn among a_regs ones (every dtype, kernel, window, ragged output
+    channels, inputs copied first), and hand-picked rows for what the draws may miss: one and
+    several k-tiles (odd and even counts), 64 and 128 pixels a block, wgmma N 64-256, tiles that walk
+    (persistent, resident weights, two pipelines), halo windows, a last tile of a few pixels, one
+    image."""
+    drawn = make_nhwc_tma_cases(24, seed=6961, first=6960, every=1, values={
+        "a_regs": (1,), "round_smem": (0,), "wgn": (1,), "block_p": (64, 128, 256)})
+    # (a draw that found no fitting tiles takes the family's a_regs defaults)
+    drawn = [c if c.tiles else replace(c, tiles=(("a_regs", 1),)) for c in drawn]
+    areg = {"a_regs": 1}
+    walk = {"a_regs": 1, "persist": 1}
+    rows = [  # N, C, K, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
+        (3, 32, 64, (1, 1), (1, 1), 0, (1, 1), True, "float32", "tf32", "channels_last", 21, 23, areg),
+        (2, 96, 40, (1, 1), (1, 1), 0, (1, 1), False, "float32", "tf32", "channels_last", 17, 30,
+         {**walk, "block_p": 64, "stages": 2}),
+        (4, 256, 128, (1, 1), (2, 2), 0, (1, 1), True, "float32", "tf32", "channels_last", 30, 29, walk),
+        (2, 64, 256, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "channels_last", 20, 20,
+         {**areg, "block_co": 256, "block_p": 64, "min_blocks": 1}),
+        (1, 48, 64, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "channels_last", 15, 19, areg),
+        (8, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "channels_last", 64, 64,
+         {**walk, "wres": 1, "stages": 2, "min_blocks": 1}),
+        (8, 64, 64, (3, 3), (1, 1), 1, (1, 1), False, "bfloat16", None, "channels_last", 64, 66,
+         {**walk, "wres": 1, "pipes": 2, "block_p": 64, "stages": 3, "min_blocks": 1}),
+        (4, 64, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "channels_last", 40, 130,
+         {**walk, "halo": 1, "stages": 2, "min_blocks": 1}),
+        (2, 32, 64, (3, 3), (1, 1), 2, (2, 2), False, "float16", None, "cl_weight_slice", 30, 140,
+         {**areg, "halo": 1, "stages": 2, "min_blocks": 1, "block_p": 64}),
+        (5, 128, 160, (3, 3), (2, 2), 1, (1, 1), True, "float32", "tf32", "cl_offset", 27, 25,
+         {**walk, "block_co": 64, "min_blocks": 1, "stages": 3}),
+    ]
+    return drawn + [Case(6984 + i, n, c, k, 1, ker, st, pad, dil, b, dt, prec, lay, h, w, "nhwc_tma",
+                         tuple(sorted(t.items())))
+                    for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
 
 
 def make_nhwc_tma_walk_cases() -> list[Case]:
@@ -881,7 +922,8 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 make_ws_stage_cases(24) + make_split_cases(24) + make_ragged_cases() + make_wide_tile_cases() +
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() + make_nhwc_tma_cases(48) + make_nhwc_tma_nchw_cases(24) +
-                                make_nhwc_tma_walk_cases() + make_nhwc_tma_halo_cases() + make_pointwise_tma_cases()
+                                make_nhwc_tma_walk_cases() + make_nhwc_tma_halo_cases() + make_pointwise_tma_cases() +
+                                make_nhwc_tma_areg_cases()
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
@@ -1176,6 +1218,15 @@ MEMCHECK = textwrap.dedent("""
             run_cl(dtype, (2, 32, 12, 70), (128, 32, 3, 3), 0, family="nhwc_tma", padding=(2, 1),
                    tiles={{**halo, "block_co": 128, "block_p": 64}})
             run("nhwc_tma", dtype, (2, 64, 9, 60), (64, 64, 3, 3), padding=1, tiles={{**halo, "block_p": 64}})
+            # a_regs tiles (fragments loaded into registers, each warp's rows staged apart from the
+            # ring): blocks that walk to a last tile of a few pixels, ragged output channels, a
+            # strided 1x1 from an input copied first (offset 1), halo windows
+            run_cl(dtype, (3, 48, 13, 17), (136, 48, 3, 3), 0, family="nhwc_tma", padding=1,
+                   tiles={{"a_regs": 1, "persist": 1}})
+            run_cl(dtype, (2, 64, 9, 11), (72, 64, 1, 1), 1, family="nhwc_tma", stride=2,
+                   tiles={{"a_regs": 1, "block_p": 64}})
+            run_cl(dtype, (2, 32, 12, 70), (64, 32, 3, 3), 0, family="nhwc_tma", padding=1,
+                   tiles={{**halo, "a_regs": 1, "block_p": 64}})
         if "pointwise_tma" in fams and torch.cuda.get_device_capability() == (9, 0):
             # the input read where it lies, from an aligned start and one element past one; a
             # plane's partial last tile, output channels past the last whole block, resident

@@ -20,7 +20,13 @@ pixels; `pipes` 2 (with `wres`) two producer/ring/consumer pipelines a block ove
 window of the input (kernel rows x block_p + the kernel's width in pixels, 128 bytes of channels),
 loaded once as a tiled 4-D box and read by every tap from its own row and column of the window,
 so each input pixel crosses L2 about three times where im2col moves it nine; the weights' boxes
-then come through a ring of `wstages` slots (or stay resident with `wres`).
+then come through a ring of `wstages` slots (or stay resident with `wres`); `a_regs`
+(channels_last) the GEMM turned round: the pixels are wgmma's M, `block_p / 64` consumer
+warpgroups of 64 pixels each load their A fragments from the landed slot into registers (one
+ldmatrix a k-step, rounding TF32 as they go, so TF32 needs neither the rounded copy nor rounding
+warps), wgmma's N is `block_co` and reads only the weights from shared memory, and each thread
+stages its own 16 pixel rows in shared memory, apart from the ring, and writes them out as 16-byte
+vectors (`wgn` stays 1).
 
 NCHW calls (layout 'nchw') take one more pass, as in `nhwc`: the input is transposed into the
 workspace as dense NHWC (rounded for TF32), and the epilogue writes each output channel's pixel
@@ -47,6 +53,7 @@ SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit signed
 BLOCK_P = (128, 256, 64, 112, 56, 96, 80)  # pixels a block (the first, the default)
 HALO_MIN_Q = 112  # output rows at least this long take halo tiles by default (56 measured even or slower)
+AREG_FEW_TILES = 66  # a_regs layers of fewer 128-pixel tiles than this take 64-pixel ones (half an H100's SMs)
 
 
 def _esize(spec: "ConvSpec") -> int:
@@ -87,14 +94,20 @@ def _regs(wn: int, ncw: int, rw: int) -> int:
     return max(wn // 2 + (26 if more else 16), 48)
 
 
+def _areg_regs(bco: int) -> int:
+    """`a_regs` tiles: wgmma's N / 2 accumulators, two k-tiles' A fragments (32) and 50 more for
+    addresses and the staged epilogue (ptxas 13.0: 114 at N 64, 138 at N 128)."""
+    return bco // 2 + 82
+
+
 @dataclass(frozen=True)
 class NhwcTmaFamily(Family):
     def layout(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
         """Compile-time constants of a tile choice (the template static_asserts the same)."""
         bco, bp, wgn, stages = tiles["block_co"], tiles["block_p"], tiles["wgn"], tiles["stages"]
-        pipes, wres = tiles.get("pipes", 1), tiles.get("wres", 0)
+        pipes, wres, areg = tiles.get("pipes", 1), tiles.get("wres", 0), tiles.get("a_regs", 0) == 1
         esize = _esize(spec)
-        ncw = bco // 64 * wgn
+        ncw = bp // 64 if areg else bco // 64 * wgn
         rounders = 32 * tiles.get("round_smem", 0)  # its rounding warps' threads
         halo = tiles.get("halo", 0) == 1
         hb, wb = _window(spec, bp)
@@ -104,8 +117,9 @@ class NhwcTmaFamily(Family):
             slot = -(-hb * wb * 128 // 1024) * 1024
         else:  # the pixels (and the weights' box)
             slot = bp * 128 + (0 if wres else bco * 128)
-        staged = bp * (bco + 16 // esize) * esize  # the output tile, 16 bytes of padding a row
-        own = tiles.get("persist", 0) == 1 and spec.layout == "nhwc"  # staged apart from the ring
+        # the output tile, 16 bytes of padding a row (a_regs: 8 elements)
+        staged = bp * (bco + (8 if areg else 16 // esize)) * esize
+        own = (tiles.get("persist", 0) == 1 or areg) and spec.layout == "nhwc"  # staged apart from the ring
         resident = k_tiles(spec) * bco * 128 if wres else 0  # the weights, kept for every tile
         return {"BCO": bco, "BP": bp, "WGN": wgn, "STAGES": stages, "PIPES": pipes,
                 "NTH": pipes * (128 * ncw + 32) + rounders, "HB": hb, "WB": wb,
@@ -115,7 +129,7 @@ class NhwcTmaFamily(Family):
                 # the mbarriers (three a slot, the weights', two a weights' ring slot and one
                 # more such pair), in static shared memory
                 "STATIC": 8 * ((2 * pipes + 1) * stages + 1) + 16 * (pipes * wslots + 1),
-                "REGS": _regs(bp // wgn, ncw, tiles.get("round_smem", 0))}
+                "REGS": _areg_regs(bco) if areg else _regs(bp // wgn, ncw, tiles.get("round_smem", 0))}
 
     def check_shape(self, spec: "ConvSpec") -> None:
         vec = 16 // _esize(spec)
@@ -140,6 +154,16 @@ class NhwcTmaFamily(Family):
             raise Unsupported("nhwc_tma: round_smem rounds TF32 channels_last inputs (16-bit needs no rounding, and "
                               "an NCHW input is rounded in its transpose)")
         persist, wres, pipes = tiles.get("persist", 0), tiles.get("wres", 0), tiles.get("pipes", 1)
+        if tiles.get("a_regs", 0):
+            if spec.layout != "nhwc":
+                raise Unsupported("nhwc_tma: a_regs tiles write channels_last rows (an NCHW call's input is rounded "
+                                  "in its transpose)")
+            if tiles.get("round_smem", 0) or tiles["wgn"] != 1:
+                raise Unsupported("nhwc_tma: a_regs tiles round TF32 in their fragment loads and split the pixels "
+                                  "into warpgroups of 64 themselves (round_smem=0, wgn=1)")
+            if tiles["block_p"] % 64 or tiles["block_co"] > 256:
+                raise Unsupported(f"nhwc_tma: a_regs tiles take 64 pixels a warpgroup and wgmma N up to 256 (got "
+                                  f"block_p {tiles['block_p']}, block_co {tiles['block_co']})")
         if tiles.get("halo", 0):
             if spec.stride != (1, 1):
                 raise Unsupported(f"nhwc_tma: halo tiles read every tap from one window, which needs stride 1 "
@@ -217,14 +241,24 @@ class NhwcTmaFamily(Family):
         0.278 / 0.310, 0.258, 0.227; on 32 x 56 x 56 0.111 / 0.126, 0.114, 0.103; 256->256 3x3 on
         8 x 56 x 56 (128-channel tiles, where the rounding warps cost the second block an SM or
         keep pace with twice the MMAs) 0.178 / 0.252, 0.238, 0.199; 512->512 3x3 on 7 x 7 0.112 /
-        0.230, 0.159, 0.135."""
+        0.230, 0.159, 0.135.
+
+        a_regs: TF32 channels_last layers of more than 64 output channels (dispatch.py, item 3,
+        quotes the A/B), persistent, 128 pixels in two warpgroups, or one block a tile of 64 pixels
+        in one where 128-pixel tiles would number fewer than AREG_FEW_TILES. H100, same process, five rounds, ms
+        (persistent 128 / persistent 64 / one block a tile of 64): 512->512 3x3 on 32 x 7 x 7 (52
+        tiles) 0.096 / 0.087 / 0.082; 2048->512 1x1 0.055 / 0.051 / 0.049; 256->256 3x3 on 32 x 14
+        x 14 (98 tiles) 0.059 / 0.079 / 0.079; 512->512 on 16 x 14 x 14 (100) 0.098 / 0.137 / 0.133;
+        one block a tile of 128 pixels lost to walking (64->256 1x1 on 32 x 56 x 56 0.110 / 0.092,
+        three rounds) and wgmma N 256 did not pay (256->1024 1x1 on 14 x 14 0.073 against 0.067)."""
         if problem.arch != "sm_90a":
             raise Unsupported(f"nhwc_tma: the TMA's im2col mode and wgmma need sm_90a (target {problem.arch or 'unknown'})")
         fixed = dict(fixed or {})
         bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
         tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
         wide_cl = spec.dtype != "float32" and spec.layout == "nhwc"
-        base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": 4 if tf32_cl and bco == 64 else 0}
+        rounders = 4 if tf32_cl and bco == 64 and not fixed.get("a_regs", 0) else 0
+        base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": rounders}
         # channels_last rows of HALO_MIN_Q pixels or more, stride 1, 64 output channels: halo tiles
         # (16-bit with the weights resident) where they fit
         walks = []
@@ -232,10 +266,15 @@ class NhwcTmaFamily(Family):
                 and fixed.get("halo", 1) == 1):
             halo = {"persist": 1, "halo": 1, "block_p": halo_block_p(problem.Q, 8 if tf32_cl else 16)}
             walks.append({**halo, "wres": 1, "pipes": 1} if wide_cl else halo)
+        # TF32 channels_last layers of more than 64 output channels: a_regs tiles that walk, or one
+        # block a tile of 64 pixels where 128-pixel tiles would leave over half of an H100's SMs idle
+        if tf32_cl and spec.out_channels > 64 and fixed.get("a_regs", 1) == 1:
+            few = -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // bco) < AREG_FEW_TILES
+            walks.append({"a_regs": 1, "round_smem": 0, **({"persist": 0, "block_p": 64} if few else {"persist": 1})})
         # 16-bit channels_last tiles of 64 output channels: resident weights in two pipelines, else
         # in one, else persistent blocks that load the weights' box a k-tile
         walks += ([{"persist": 1, "wres": 1, "pipes": 2}, {"persist": 1, "wres": 1}, {"persist": 1}]
-                  if wide_cl and bco == 64 else [{}])
+                  if wide_cl and bco == 64 else [{"a_regs": 0}])
         def depths(cand_base: dict) -> tuple[tuple[int, int], ...]:
             if cand_base.get("halo"):  # window slots: TF32's 2 measured ahead of 3, 16-bit's 3 of 2
                 return ((1, 2), (1, 3)) if tf32_cl else ((1, 3), (1, 2))
@@ -253,7 +292,9 @@ class NhwcTmaFamily(Family):
         kt = k_tiles(spec)
         wbytes = spec.out_channels * kt * 128
         ws_x = -(-wbytes // 256) * 256
-        return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "WN": lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
+        areg = t.get("a_regs", 0) == 1
+        return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "AREG": areg,
+                "WN": 64 if areg else lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
                 "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"], "WS_X_OFFSET": ws_x,
                 # the repacked weights, then room for a dense copy of the input (TF32 rounds it;
                 # 16-bit inputs the TMA cannot address are copied)
@@ -265,7 +306,7 @@ nhwc_tma = NhwcTmaFamily(
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_co": (64, 128, 256), "block_p": BLOCK_P, "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
-           "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8)},
+           "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8), "a_regs": (0, 1)},
 )
 
 FAMILIES = (nhwc_tma,)
