@@ -4,12 +4,14 @@
 # examples.log, benches.log and the benchmarks' JSON, eight files at most (the device hands
 # back eight).
 #
-#   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests examples bench layers ceiling machinery
+#   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests (or its parts, below) examples bench layers
+#                                            ceiling machinery
 #                                            (default: all)
 #
-# The tier takes more than one device call (about 16 minutes on the H100, each call at most 10):
-# `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck` (compute-sanitizer's
-# memcheck, 8) and `tests-rest` (everything else, 2) are its parts for separate calls.
+# The tier takes more than one device call (about 17 minutes on the H100, each call at most 10):
+# `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck1` and `tests-memcheck2`
+# (compute-sanitizer's memcheck over two halves of the families, 4-5 each; `tests-memcheck` runs
+# both) and `tests-rest` (everything else, 2) are its parts for separate calls.
 #
 # The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
 # machine reuses what the first compiled.
@@ -37,10 +39,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 # The GPU tier only: the CPU tier runs in CI. -p no:cacheprovider keeps the tree clean.
 tier() { python3 -m pytest tests -m gpu -q -p no:cacheprovider -rfE "$@" 2>&1 | tee -a "$out/gpu_tests.log" | tail -40
          status=$(( status | ${PIPESTATUS[0]} )); }
-if want tests || want tests-sweep || want tests-memcheck || want tests-rest; then : > "$out/gpu_tests.log"; fi
+if want tests || want tests-sweep || want tests-memcheck || want tests-memcheck1 || want tests-memcheck2 ||
+   want tests-rest; then : > "$out/gpu_tests.log"; fi
 if want tests; then tier; fi
 if want tests-sweep; then tier -k test_sweep_against_float64; fi
 if want tests-memcheck; then tier -k test_compute_sanitizer_memcheck_is_clean; fi
+if want tests-memcheck1; then tier -k "test_compute_sanitizer_memcheck_is_clean and part1"; fi
+if want tests-memcheck2; then tier -k "test_compute_sanitizer_memcheck_is_clean and part2"; fi
 if want tests-rest; then tier -k "not test_sweep_against_float64 and not test_compute_sanitizer_memcheck_is_clean"; fi
 if want examples; then
   # Warm every example's kernels ahead of time, then the main job must compile nothing.
