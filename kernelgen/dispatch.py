@@ -65,8 +65,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    TF32 channels_last layers of more than 64 output channels take its a_regs tiles, whatever their
    window or reduction: the GEMM turned round (pixels as wgmma's M), each consumer loading and
    rounding its A fragments in registers, so there is no rounded copy; persistent blocks of 128
-   pixels (one block a tile of 64 where 128-pixel tiles would number under 66). H100, batch 32 unless named, same
-   process, five rounds, ms (a_regs / the default before / F.conv2d): 1x1 64->256 on 56 x 56
+   pixels (one block a tile of 64 where 128-pixel tiles would number under 66). H100, batch 32
+   unless named, same process, five rounds, ms (a_regs / the default before / F.conv2d): 1x1 64->256 on 56 x 56
    0.087 / 0.097 (nhwc) / 0.087; 256->64 0.083 / 0.087 / 0.072; 24->144 0.055 / 0.064 / 0.053;
    512->128 on 28 x 28 0.066 / 0.068 / 0.061; 256->1024 on 14 x 14 0.053 / 0.063 / 0.050; 2048->512
    on 7 x 7 (64 pixels) 0.049 / 0.066 / 0.037; stride 2 256->512 from 56 x 56 0.065 / 0.082 / 0.054,

@@ -24,7 +24,7 @@ then come through a ring of `wstages` slots (or stay resident with `wres`); `a_r
 (channels_last) the GEMM turned round: the pixels are wgmma's M, `block_p / 64` consumer
 warpgroups of 64 pixels each load their A fragments from the landed slot into registers (one
 ldmatrix a k-step, rounding TF32 as they go, so TF32 needs neither the rounded copy nor rounding
-warps), wgmma's N is `block_co` and reads only the weights from shared memory, and each thread
+warps), wgmma's N is `block_co` and reads only the weights from shared memory, and each warp
 stages its own 16 pixel rows in shared memory, apart from the ring, and writes them out as 16-byte
 vectors (`wgn` stays 1).
 
@@ -245,8 +245,8 @@ class NhwcTmaFamily(Family):
 
         a_regs: TF32 channels_last layers of more than 64 output channels (dispatch.py, item 3,
         quotes the A/B), persistent, 128 pixels in two warpgroups, or one block a tile of 64 pixels
-        in one where 128-pixel tiles would number fewer than AREG_FEW_TILES. H100, same process, five rounds, ms
-        (persistent 128 / persistent 64 / one block a tile of 64): 512->512 3x3 on 32 x 7 x 7 (52
+        in one where 128-pixel tiles would number fewer than AREG_FEW_TILES. H100, same process,
+        five rounds, ms (persistent 128 / persistent 64 / one block a tile of 64): 512->512 3x3 on 32 x 7 x 7 (52
         tiles) 0.096 / 0.087 / 0.082; 2048->512 1x1 0.055 / 0.051 / 0.049; 256->256 3x3 on 32 x 14
         x 14 (98 tiles) 0.059 / 0.079 / 0.079; 512->512 on 16 x 14 x 14 (100) 0.098 / 0.137 / 0.133;
         one block a tile of 128 pixels lost to walking (64->256 1x1 on 32 x 56 x 56 0.110 / 0.092,
