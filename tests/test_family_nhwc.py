@@ -146,13 +146,13 @@ def test_nchw_layers_on_large_planes(x, w, kw, tf32, bf16):
     assert (_choose(x, w, math="ieee", channels_last=False, **kw).family == "nhwc") == small
 
 
-def test_what_it_cannot_take_stays_on_direct():
-    # depthwise (one channel a group) has a channels_last family of its own; float32 channels in
-    # under a 16-byte chunk, bf16 under 8, an odd number of output channels a group and float64
-    # go to direct
+def test_what_it_cannot_take_goes_elsewhere():
+    # depthwise (one channel a group) has a channels_last family of its own, and so do dense
+    # layers of few input channels (stem_nhwc: 3 float32 channels are under a 16-byte chunk, 4
+    # bf16 under 8); an odd number of output channels a group and float64 go to direct
     assert _choose((8, 32, 28, 28), (32, 1, 3, 3), groups=32, padding=1).family == "depthwise_nhwc"
-    assert _choose((8, 3, 224, 224), (64, 3, 7, 7), stride=2, padding=3).family == "direct"
-    assert _choose((8, 4, 28, 28), (64, 4, 3, 3), dtype="bfloat16").family == "direct"
+    assert _choose((8, 3, 224, 224), (64, 3, 7, 7), stride=2, padding=3).family == "stem_nhwc"
+    assert _choose((8, 4, 28, 28), (64, 4, 3, 3), dtype="bfloat16").family == "stem_nhwc"
     assert _choose((8, 64, 28, 28), (63, 64, 3, 3)).family == "direct"
     assert _choose((8, 64, 28, 28), (64, 64, 3, 3), dtype="float64", math="ieee").family == "direct"
 

@@ -893,6 +893,50 @@ def make_groupwise_nchw_cases(n: int, seed: int = 6911) -> list[Case]:
     return out
 
 
+def make_stem_nhwc_cases(n: int, seed: int = 7010) -> list[Case]:
+    """channels_last calls forced onto `stem_nhwc` (first layers of 2-8 input channels): every
+    dtype and precision, kernels up to 7x7, strides, dilations and padding, output channels that
+    are odd, under a block and over one, tiles past the last row and column, forced tiles, and
+    inputs that are not dense channels_last (off a 16-byte boundary; NCHW with a channels_last
+    weight, which makes the output channels_last); then hand-picked rows: the stems of ResNet
+    and MobileNet at a small batch, and reductions that fill their last k-step exactly."""
+    rng = random.Random(seed)
+    fam = get_family("stem_nhwc")
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        C = rng.choice([2, 3, 3, 3, 4, 5, 6, 8])  # (one channel is NCHW as much as channels_last: torch calls it NCHW)
+        K = rng.choice([1, 3, 16, 24, 32, 64, 64, 67, 96, 128])
+        kernel = rng.choice([(7, 7), (7, 7), (3, 3), (3, 3), (5, 5), (3, 1), (1, 3), (1, 1), (4, 3), (2, 2)])
+        stride, dilation, padding = _cl_window(rng)
+        precision = rng.choice(["tf32", "ieee", None]) if dtype == "float32" else None
+        eh, ew = _extent(kernel, dilation)
+        H, W = max(rng.randint(3, 70), eh), max(rng.randint(3, 70), ew)
+        tiles = ()
+        if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
+            tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
+                C, K, kernel, stride, 0, dilation, 1, dtype, "cuda", False, "nhwc",
+                "tf32" if precision == "tf32" else "ieee", "stem_nhwc", tuple(pick.items())))
+        layout = rng.choice(["channels_last"] * 4 + ["cl_offset", "weight_channels_last", "cl_weight_slice"])
+        if layout == "weight_channels_last" and (kernel == (1, 1) or K == 1):  # such a weight is NCHW too
+            layout = "channels_last"
+        cases.append(Case(7000 + idx, rng.choice([1, 2, 3]), C, K, 1, kernel, stride, padding, dilation,
+                          rng.random() < 0.5, dtype, precision, layout, H, W, "stem_nhwc", tiles))
+    rows = [  # N, C, K, kernel, stride, padding, bias, dtype, precision, H, W
+        (2, 3, 64, (7, 7), (2, 2), 3, False, "float32", "tf32", 61, 67),
+        (2, 3, 64, (7, 7), (2, 2), 3, True, "float32", "ieee", 61, 67),
+        (2, 3, 64, (7, 7), (2, 2), 3, True, "bfloat16", None, 61, 67),
+        (3, 3, 32, (3, 3), (2, 2), 1, True, "float32", "tf32", 45, 50),
+        (3, 3, 32, (3, 3), (2, 2), 1, False, "float16", None, 45, 50),
+        (2, 4, 40, (3, 3), (1, 1), 1, True, "float32", "ieee", 33, 35),  # K = 36: a ragged last k-step
+        (2, 8, 24, (2, 2), (1, 1), 0, False, "bfloat16", None, 17, 40),  # K = 32: whole k-steps
+        (1, 2, 130, (5, 5), (1, 1), 2, True, "float32", "tf32", 40, 70),  # three channel blocks
+    ]
+    cases += [Case(7000 + n + i, N, C, K, 1, ker, st, pad, (1, 1), b, dt, prec, "channels_last", h, w, "stem_nhwc")
+              for i, (N, C, K, ker, st, pad, b, dt, prec, h, w) in enumerate(rows)]
+    return cases
+
+
 def make_weight_layout_cases(hopper: bool) -> list[Case]:
     """Every family reading a weight that is not contiguous OIHW, through its strides (KgW):
     a channels_last weight (which makes the call channels_last) and a slice of a larger
@@ -927,7 +971,8 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
-         make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_weight_layout_cases(HOPPER))
+         make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_stem_nhwc_cases(48) +
+         make_weight_layout_cases(HOPPER))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -1187,6 +1232,19 @@ MEMCHECK = textwrap.dedent("""
                 for offset in (0, 1):
                     run_cl(dtype, (2, 64, 9, 10), (66, 64, 3, 3), offset, padding=1)
                     run_cl(dtype, (3, 64, 11, 9), (34, 64, 1, 1), offset, stride=2)
+        if "stem_nhwc" in fams:
+            # the staged tile (whole vectors) and stores from the fragments (67 channels), windows
+            # past every edge, tiles past the last row and column, an input off a 16-byte boundary,
+            # an NCHW input that its channels_last weight makes a channels_last call, 3xTF32
+            for offset in (0, 1):
+                run_cl(dtype, (2, 3, 19, 23), (64, 3, 7, 7), offset, family="stem_nhwc", stride=2, padding=3)
+            run_cl(dtype, (3, 5, 13, 17), (67, 5, 3, 3), 0, family="stem_nhwc", padding=1, stride=(1, 2))
+            x = torch.randn(2, 4, 21, 15, device="cuda", dtype=dtype)
+            w = torch.randn(40, 4, 3, 3, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+            kernelgen.conv2d(x, w, family="stem_nhwc", padding=1)
+            if dtype == torch.float32:
+                run_cl(dtype, (2, 3, 19, 23), (64, 3, 7, 7), 0, family="stem_nhwc", stride=2, padding=3,
+                       precision="ieee")
         if "nhwc_tma" in fams and torch.cuda.get_device_capability() == (9, 0):
             # the TMA reading the input where it lies (16-bit) or a copy (TF32, a misaligned start),
             # ragged pixel and channel tiles, the pixel tile past the last image; NCHW through the
@@ -1308,7 +1366,7 @@ MEMCHECK = textwrap.dedent("""
 
 # The script's families in two parts of about four minutes each on the H100, so that each fits a
 # device call of its own (benchmarks/gpu_all.sh tests-memcheck1, tests-memcheck2).
-MEMCHECK_PARTS = {"part1": ("direct", "nhwc", "nhwc_tma", "pointwise_tma"),
+MEMCHECK_PARTS = {"part1": ("direct", "nhwc", "nhwc_tma", "pointwise_tma", "stem_nhwc"),
                   "part2": ("depthwise", "depthwise_nhwc", "grouped_nhwc", "pointwise", "igemm", "wgmma")}
 
 
