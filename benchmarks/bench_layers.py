@@ -43,8 +43,9 @@ def _square(name: str, N: int, C: int, K: int, H: int, W: int, kernel: int, **kw
 
 def _layers() -> dict[str, Case]:
     rows = [
-        # ResNet-50 at batch 32, 224 x 224 input: the bottleneck's 1x1s and 3x3 of each stage, and
-        # the strided 3x3 and 1x1 that open stages 2-4.
+        # ResNet-50 at batch 32, 224 x 224 input: the stem (3 channels, 7x7 stride 2), the
+        # bottleneck's 1x1s and 3x3 of each stage, and the strided 3x3 and 1x1 that open stages 2-4.
+        _square("r50.stem", 32, 3, 64, 224, 224, 7, stride=2, padding=3),
         _square("r50.l1.1x1.64-64", 32, 64, 64, 56, 56, 1),
         _square("r50.l1.3x3", 32, 64, 64, 56, 56, 3, padding=1),
         _square("r50.l1.1x1.64-256", 32, 64, 256, 56, 56, 1),
@@ -60,7 +61,9 @@ def _layers() -> dict[str, Case]:
         # ResNeXt-50 32x4d: grouped 3x3s of 4 and 8 channels a group.
         _square("rx50.l1.g32", 32, 128, 128, 56, 56, 3, padding=1, groups=32),
         _square("rx50.l3.g32", 32, 512, 512, 14, 14, 3, padding=1, groups=32),
-        # MobileNetV2 at batch 32: depthwise 3x3s (stride 1 and 2) and the 1x1s around them.
+        # MobileNetV2 at batch 32: the stem (3 channels, 3x3 stride 2), depthwise 3x3s (stride 1
+        # and 2) and the 1x1s around them.
+        _square("mv2.stem", 32, 3, 32, 224, 224, 3, stride=2, padding=1),
         _square("mv2.dw32.112", 32, 32, 32, 112, 112, 3, padding=1, groups=32),
         _square("mv2.dw96.s2", 32, 96, 96, 112, 112, 3, stride=2, padding=1, groups=96),
         _square("mv2.dw144.56", 32, 144, 144, 56, 56, 3, padding=1, groups=144),

@@ -28,6 +28,22 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.269, but TF32 0.094 / 0.085 and bf16 0.088 / 0.070 (stay). Runs of 2 pixels (vec_q 2, which
    divides 14) lost to 4 on every such layer. NCHW depthwise stays on `depthwise` (depthwise_nhwc
    through the transpose: 960 channels on 7 x 7 0.052 / 0.044, 384 on 14 x 14 0.078 / 0.036).
+   stem_nhwc: channels_last dense layers of 2-4 input channels (first layers: RGB, RGBA; one is
+   depthwise's), and of
+   5-8 where nhwc cannot take them (not whole 16-byte chunks: direct served them) or, 16-bit only,
+   with 7x7 kernels or larger: one implicit GEMM whose reduction packs every tap and channel, its
+   A operand read from the input rows the block's windows span, staged once. nhwc reads one
+   tap's channels a k-tile row, which 3 channels cannot fill, and 4 fill an eighth of. H100, same
+   process, three rounds, ms (stem_nhwc / the default before / F.conv2d), TF32, strict, bf16:
+   ResNet's 3->64 7x7 stride 2 on 32 x 224 x 224 0.147 / 0.830 (direct) / 0.247, 0.286 / 0.834 /
+   0.425, 0.131 / 0.851 / 0.276; MobileNetV2's 3->32 3x3 stride 2 0.075 / 0.258 / 0.075, 0.101 /
+   0.262 / 0.085, 0.052 / 0.229 / 0.078; 3->64 3x3 on 16 x 224 x 224 0.137 / 0.858 / 0.145, 0.183 /
+   0.858 / 0.263, 0.090 / 0.872 / 0.156; 4->64 3x3 0.132 / 0.248 (nhwc_tma) / 0.174, 0.217 / 0.405
+   (nhwc) / 0.283, 0.097 / 0.870 (direct) / 0.153; 4->64 7x7 stride 2 0.167 / 0.602 / 0.207, 0.354
+   / 0.540 / 0.559, 0.136 / 1.111 / 0.248; 4->32 3x3 stride 2 0.072 / 0.087 / 0.093, 0.118 / 0.128
+   / 0.094, 0.071 / 0.226 / 0.117. Eight channels stay on nhwc_tma and nhwc (8->64 3x3 TF32 0.184
+   / 0.242 but strict 0.329 / 0.267, bf16 0.128 / 0.119; 7x7 stride 2 TF32 0.596 / 0.509, strict
+   1.02 / 0.546), except bf16 7x7 (0.269 / 0.625).
 2. pointwise_tma (sm_90a): NCHW 1x1 layers at stride 1 without padding, TF32 and 16-bit, from 96
    input channels or more into 64 or more, on planes the TMA can address (whole 16-byte chunks of
    pixels): the input read where it lies by the TMA, wgmma's A fragments (pixels x channels) loaded
@@ -162,8 +178,10 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    reduction (CIN_G*KH*KW) is long enough to feed tensor cores. Below 4 channels too
    for TF32 and 16-bit, and for strict float32 (3xTF32) with at most 9 kernel taps or
    with its taps packed into the reduction (pack_k: stems such as 3->64 7x7 stride 2).
-7. direct: everything else (tiny channel counts, float64, depthwise kernels over 9x9 in
-   channels_last, strided layouts the fast families do not take). It honours arbitrary strides, so it never copies.
+7. direct: everything else (NCHW layers of tiny channel counts the others refuse, channels_last
+   layers of 9-15 channels that are not whole 16-byte chunks, float64, depthwise kernels over 9x9
+   in channels_last, strided layouts the fast families do not take). It honours arbitrary strides,
+   so it never copies.
 
 Layout: the output's memory format follows F.conv2d (channels_last if the input or
 the weight is). Families take 'nchw', 'nhwc' or 'any'; a family that needs a dense
@@ -189,8 +207,8 @@ from .families import get_family
 from .families.nhwc_tma import k_tiles as tma_k_tiles
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma", "pointwise",
-              "igemm", "direct")
+CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "stem_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma",
+              "pointwise", "igemm", "direct")
 CPU_ORDER = ("cpu_direct",)
 
 
@@ -302,6 +320,10 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         vec = 4 if spec.dtype == "float32" else 8
         return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
                 or (spec.dtype == "float32" and math == "ieee"))
+    if name == "stem_nhwc":  # (its check: dense, at most 8 input channels) up to 4; 5-8 that nhwc cannot
+        # take (not whole 16-byte chunks); 16-bit 7x7 kernels and larger
+        vec = 4 if spec.dtype == "float32" else 8
+        return spec.in_channels <= 4 or spec.in_channels % vec != 0 or (spec.dtype != "float32" and kh * kw >= 49)
     if name == "pointwise_tma":  # reductions of 96 channels or more into at least one whole wgmma N
         return spec.in_channels >= 96 and spec.out_channels >= 64
     if name == "nhwc_tma":
