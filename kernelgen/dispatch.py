@@ -34,16 +34,17 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    with 7x7 kernels or larger: one implicit GEMM whose reduction packs every tap and channel, its
    A operand read from the input rows the block's windows span, staged once. nhwc reads one
    tap's channels a k-tile row, which 3 channels cannot fill, and 4 fill an eighth of. H100, same
-   process, three rounds, ms (stem_nhwc / the default before / F.conv2d), TF32, strict, bf16:
-   ResNet's 3->64 7x7 stride 2 on 32 x 224 x 224 0.147 / 0.830 (direct) / 0.247, 0.286 / 0.834 /
-   0.425, 0.131 / 0.851 / 0.276; MobileNetV2's 3->32 3x3 stride 2 0.075 / 0.258 / 0.075, 0.101 /
-   0.262 / 0.085, 0.052 / 0.229 / 0.078; 3->64 3x3 on 16 x 224 x 224 0.137 / 0.858 / 0.145, 0.183 /
-   0.858 / 0.263, 0.090 / 0.872 / 0.156; 4->64 3x3 0.132 / 0.248 (nhwc_tma) / 0.174, 0.217 / 0.405
-   (nhwc) / 0.283, 0.097 / 0.870 (direct) / 0.153; 4->64 7x7 stride 2 0.167 / 0.602 / 0.207, 0.354
-   / 0.540 / 0.559, 0.136 / 1.111 / 0.248; 4->32 3x3 stride 2 0.072 / 0.087 / 0.093, 0.118 / 0.128
-   / 0.094, 0.071 / 0.226 / 0.117. Eight channels stay on nhwc_tma and nhwc (8->64 3x3 TF32 0.184
-   / 0.242 but strict 0.329 / 0.267, bf16 0.128 / 0.119; 7x7 stride 2 TF32 0.596 / 0.509, strict
-   1.02 / 0.546), except bf16 7x7 (0.269 / 0.625).
+   process, three rounds, ms (stem_nhwc / F.conv2d), TF32, strict, bf16: ResNet's 3->64 7x7 stride
+   2 on 32 x 224 x 224 0.147 / 0.247, 0.286 / 0.426, 0.131 / 0.276; MobileNetV2's 3->32 3x3 stride
+   2 0.075 / 0.075, 0.101 / 0.085, 0.052 / 0.078; 3->64 3x3 on 16 x 224 x 224 0.137 / 0.145, 0.183 /
+   0.263, 0.091 / 0.156 (direct, which served them, took 0.830-0.877 on the 7x7 and the stride-1
+   3x3 and 0.229-0.264 on the stride-2 3x3 in an earlier call). Against the default before (ms,
+   stem_nhwc / it / F.conv2d): 4->64 3x3 0.132 / 0.248 (nhwc_tma) / 0.174, 0.217 / 0.405 (nhwc) /
+   0.283, 0.097 / 0.870 (direct) / 0.153; 4->64 7x7 stride 2 0.167 / 0.602 / 0.207, 0.354 / 0.540 /
+   0.559, 0.136 / 1.111 / 0.248; 4->32 3x3 stride 2 0.072 / 0.087 / 0.093, 0.118 / 0.128 / 0.094,
+   0.071 / 0.226 / 0.117. Eight channels stay on nhwc_tma and nhwc (8->64 3x3 TF32 0.184 / 0.242
+   but strict 0.329 / 0.267, bf16 0.128 / 0.119; 7x7 stride 2 TF32 0.596 / 0.509, strict 1.02 /
+   0.546), except bf16 7x7 (0.269 / 0.625).
 2. pointwise_tma (sm_90a): NCHW 1x1 layers at stride 1 without padding, TF32 and 16-bit, from 96
    input channels or more into 64 or more, on planes the TMA can address (whole 16-byte chunks of
    pixels): the input read where it lies by the TMA, wgmma's A fragments (pixels x channels) loaded
