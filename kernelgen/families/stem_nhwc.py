@@ -41,6 +41,14 @@ def _esize(spec: "ConvSpec") -> int:
     return 4 if spec.dtype == "float32" else 2
 
 
+def _kpad(spec: "ConvSpec") -> int:
+    """The reduction (kernel rows x columns x channels) padded with zeros to whole MMA k-steps (8
+    TF32, 16 bf16/fp16): the repacked weight's row."""
+    kh, kw = spec.kernel_size
+    kstep = 8 if spec.dtype == "float32" else 16
+    return -(-kh * kw * spec.in_channels // kstep) * kstep
+
+
 def _prow(order: int, r: int) -> int:
     """Fragment row r's pixel among its m16 tile's 16 (the template's prow)."""
     return (2 * r if r < 8 else 2 * (r - 8) + 1) if order == 1 else r
@@ -111,12 +119,12 @@ class StemNhwcFamily(Family):
         esize, strict = _esize(spec), spec.dtype == "float32" and spec.math == "ieee"
         tp, tq, bn = tiles["block_p"], tiles["block_q"], tiles["block_n"]
         wm, wn = tiles["warps_m"], tiles["warps_n"]
-        kstep = 8 if esize == 4 else 16
-        nks = -(-kh * kw * spec.in_channels // kstep)
+        kpad = _kpad(spec)
+        nks = kpad // (8 if esize == 4 else 16)
         xrows = (tp - 1) * sh + (kh - 1) * dh + 1
         xrun = ((tq - 1) * sw + (kw - 1) * dw + 1) * spec.in_channels
         xpitch = xrun + (-xrun % 4)
-        wpitch = nks * kstep * esize // 4 + 4  # 16 bytes past a multiple of 32: ldmatrix's 8 rows on 8 bank runs
+        wpitch = kpad * esize // 4 + 4  # 16 bytes past a multiple of 32: ldmatrix's 8 rows on 8 bank runs
         ktab_off = bn * wpitch * 4
         x_off = ktab_off + nks * 4 * (8 if esize == 4 else 16)
         # the fragment rows' order with the fewer bank conflicts (the natural one on ties)
@@ -134,9 +142,7 @@ class StemNhwcFamily(Family):
 
     def check_shape(self, spec: "ConvSpec") -> None:
         _check_channels(spec)
-        kh, kw = spec.kernel_size
-        kstep = 8 if spec.dtype == "float32" else 16
-        if spec.out_channels * -(-kh * kw * spec.in_channels // kstep) * kstep >= 1 << 31:
+        if spec.out_channels * _kpad(spec) >= 1 << 31:
             raise Unsupported("stem_nhwc: the repacked weight exceeds 2^31 elements")
         self.check_tiles(spec, dict(spec.tiles))
 
@@ -194,8 +200,7 @@ class StemNhwcFamily(Family):
         ctx = dict(self.layout(spec, dict(spec.tiles)))
         ctx.pop("REGS")
         ctx.pop("NTH")
-        kstep = 8 if spec.dtype == "float32" else 16
-        ctx["WORKSPACE_BYTES"] = spec.out_channels * ctx["NKS"] * kstep * _esize(spec)
+        ctx["WORKSPACE_BYTES"] = spec.out_channels * _kpad(spec) * _esize(spec)
         return ctx
 
 
