@@ -9,6 +9,14 @@ float64 by the rules of ../shared/PERF.md, and prints one table with the family 
 on, then a summary per precision and memory format: how many layers kernelgen wins, loses, and
 the geometric mean of the speedups.
 
+Two timings, because a small layer's time depends on how it is called:
+- `ms` (latency): one call between two events, synchronised after each, as bench_cases.py times.
+  The host's work before the launch is inside it, so on layers of tens of microseconds it is
+  mostly launch latency, and the two libraries' ratios drift toward 1.
+- `stream ms` (throughput): 20 calls queued back to back behind a short GPU sleep, so the host is
+  never the limit; the per-call time of the kernels as a network runs them.
+`host us` is the host's time per call (the calls only queue: the GPU is kept busy).
+
     python benchmarks/bench_layers.py [--layers r50.l1.3x3,...] [--precisions tf32,ieee,bf16]
                                       [--formats nchw,cl] [--json out.json] [--list]
 
@@ -22,7 +30,9 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -131,7 +141,10 @@ def run_layer(layer: Case, precision: str, fmt: str) -> dict:
     y = kernelgen.conv2d(x, w, precision=pr, **kw)
     spec = kernelgen.functional.spec_for(x, w, None, precision=pr, **kw)[0]
     finite = bool(torch.isfinite(y).all())
-    kg_ms, torch_ms = paired_ms(lambda: kernelgen.conv2d(x, w, precision=pr, **kw), lambda: F.conv2d(x, w, **kw))
+    fk, ft = lambda: kernelgen.conv2d(x, w, precision=pr, **kw), lambda: F.conv2d(x, w, **kw)
+    kg_ms, torch_ms = paired_ms(fk, ft)
+    kg_stream, torch_stream = stream_ms(fk), stream_ms(ft)
+    kg_host, torch_host = host_us(fk), host_us(ft)
 
     n = min(layer.N, 2)
     ref = F.conv2d(x[:n].double(), w.double(), **kw)
@@ -148,23 +161,64 @@ def run_layer(layer: Case, precision: str, fmt: str) -> dict:
         bound, rule = 1.5 * torch_err, "<= 1.5x F.conv2d's"
     layout_ok = y.is_contiguous(memory_format=torch.channels_last if fmt == "cl" else torch.contiguous_format)
     return dict(layer=layer.name, shape=asdict(layer), precision=precision, format=fmt, kernelgen_ms=kg_ms,
-                torch_ms=torch_ms, speedup=torch_ms / kg_ms, rel_err=kg_err, torch_rel_err=torch_err,
+                torch_ms=torch_ms, speedup=torch_ms / kg_ms, kernelgen_stream_ms=kg_stream,
+                torch_stream_ms=torch_stream, stream_speedup=torch_stream / kg_stream, kernelgen_host_us=kg_host,
+                torch_host_us=torch_host, rel_err=kg_err, torch_rel_err=torch_err,
                 accuracy_rule=rule, accurate=finite and kg_err <= bound and layout_ok, family=spec.family,
                 layout=spec.layout, spec=spec.summary())
 
 
+def stream_ms(fn, calls: int = 20, reps: int = 5) -> float:
+    """Median per-call time of `calls` back-to-back calls, queued behind a GPU sleep so that the
+    host is never what the GPU waits for."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000)  # ~2 ms at H100 clocks: longer than queueing the calls
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 40, rounds: int = 3) -> float:
+    """Host time per call in microseconds, with the GPU kept busy so that calls only queue; the
+    least of `rounds` rounds (a garbage collection or a page fault only ever adds time)."""
+    best = math.inf
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return best / calls * 1e6
+
+
+def _geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def summary(rows: list[dict]) -> list[str]:
-    lines = ["| precision | format | layers | kernelgen faster | slower | geomean speedup | worst |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| precision | format | layers | kernelgen faster | slower | geomean speedup | worst | stream: faster | "
+             "stream geomean |",
+             "|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["precision"], r["format"]) for r in rows if "error" not in r},
                   key=lambda k: (PRECISIONS.index(k[0]), FORMATS.index(k[1])))
     for precision, fmt in keys:
         rs = [r for r in rows if r.get("precision") == precision and r.get("format") == fmt and "error" not in r]
         faster = sum(r["speedup"] >= 1.0 for r in rs)
-        geo = math.exp(sum(math.log(r["speedup"]) for r in rs) / len(rs))
         worst = min(rs, key=lambda r: r["speedup"])
-        lines.append(f"| {precision} | {fmt} | {len(rs)} | {faster} | {len(rs) - faster} | {geo:.2f}x | "
-                     f"{worst['layer']} {worst['speedup']:.2f}x ({worst['family']}) |")
+        lines.append(f"| {precision} | {fmt} | {len(rs)} | {faster} | {len(rs) - faster} | "
+                     f"{_geomean(r['speedup'] for r in rs):.2f}x | {worst['layer']} {worst['speedup']:.2f}x "
+                     f"({worst['family']}) | {sum(r['stream_speedup'] >= 1.0 for r in rs)} | "
+                     f"{_geomean(r['stream_speedup'] for r in rs):.2f}x |")
     return lines
 
 
@@ -208,14 +262,17 @@ def main(argv=None) -> int:
                 rows.append(row)
                 torch.cuda.empty_cache()
     set_tf32(True)
-    print("| layer | prec | fmt | kernelgen ms | F.conv2d ms | speedup | rel err (rule) | family |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layer | prec | fmt | kernelgen ms | F.conv2d ms | speedup | stream ms kernelgen / F.conv2d | "
+          "host us | rel err (rule) | family |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['layer']} | {r['precision']} | {r['format']} | ERROR {r['error'][:200]} |")
             continue
         print(f"| {r['layer']} | {r['precision']} | {r['format']} | {r['kernelgen_ms']:.3f} | {r['torch_ms']:.3f} | "
-              f"{r['speedup']:.2f}x | {r['rel_err']:.2e} ({r['accuracy_rule']}: {'ok' if r['accurate'] else 'FAIL'})"
+              f"{r['speedup']:.2f}x | {r['kernelgen_stream_ms']:.3f} / {r['torch_stream_ms']:.3f} "
+              f"({r['stream_speedup']:.2f}x) | {r['kernelgen_host_us']:.0f} / {r['torch_host_us']:.0f} | "
+              f"{r['rel_err']:.2e} ({r['accuracy_rule']}: {'ok' if r['accurate'] else 'FAIL'})"
               f" | {r['family']} |")
     print()
     print("\n".join(summary(rows)))

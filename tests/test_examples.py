@@ -360,3 +360,34 @@ def test_profiling_scripts_parse():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "--padding" in r.stdout and "--tiles" in r.stdout
+
+
+def _bench_layers():
+    spec = importlib.util.spec_from_file_location("bench_layers", ROOT / "benchmarks" / "bench_layers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_bench_layers_summary_counts_both_timings():
+    # Each (precision, format) line counts the layers won and the geometric mean, once for the
+    # latency timing and once for the back-to-back (stream) timing, which can disagree.
+    rows = [dict(layer="a", precision="tf32", format="cl", family="f", speedup=1.25, stream_speedup=0.5),
+            dict(layer="b", precision="tf32", format="cl", family="g", speedup=0.8, stream_speedup=0.5),
+            dict(layer="c", precision="bf16", format="nchw", family="f", speedup=2.0, stream_speedup=1.0),
+            dict(layer="d", precision="bf16", format="nchw", error="RuntimeError: x")]
+    lines = _bench_layers().summary(rows)
+    assert lines[2] == "| tf32 | cl | 2 | 1 | 1 | 1.00x | b 0.80x (g) | 0 | 0.50x |"
+    assert lines[3] == "| bf16 | nchw | 1 | 1 | 0 | 2.00x | c 2.00x (f) | 1 | 1.00x |"
+    assert len(lines) == 4
+
+
+def test_bench_layers_lists_its_layers_without_a_gpu():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layers.py"), "--list"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") == 26 and "r50.stem" in r.stdout
