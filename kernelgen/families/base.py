@@ -17,6 +17,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
 
+# Shared memory of the card the tile rules size for (the H100): what one block may opt into
+# (dynamic and static together), and an SM's whole (each resident block also reserves 1 KB).
+SMEM_LIMIT = 227 * 1024
+SM_SMEM = 228 * 1024
+
+
+def element_size(spec: "ConvSpec") -> int:
+    """Bytes of one element, for the families that take float32 and the 16-bit types."""
+    return 4 if spec.dtype == "float32" else 2
+
+
 def staged_row(pixels: int, esize: int) -> int:
     """Elements from one staged output row to the next (templates/common/staging.cuh.j2): room
     for `pixels` and a shift of up to one 16-byte chunk, the stride 32 bytes (float32: 8-byte

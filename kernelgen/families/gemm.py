@@ -49,20 +49,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family, staged_row
+from .base import SM_SMEM, SMEM_LIMIT, Family, staged_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-# What one block may use: the H100's 227 KB opt-in limit per block.
-SMEM_LIMIT = 227 * 1024
 # Accumulator floats per thread above which the compiler starts spilling.
 MAX_ACC_PER_THREAD = 128
 # Registers a thread may spend holding the next stage's global loads.
 MAX_PREFETCH_WORDS = 96
 MAX_THREADS = 512
-# Shared memory of one SM (228 KB on the H100; each block also reserves 1 KB).
-SM_SMEM = 228 * 1024
 # Registers a thread needs beyond accumulators and prefetch (fragments, addresses), roughly.
 # 56, not less: case 63's 2x64 tile estimated at 121 was capped to 128 for two blocks per SM,
 # spilled, and ran 12.7 ms against 10.3 ms with one block (H100).

@@ -29,19 +29,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family
+from .base import SM_SMEM, SMEM_LIMIT, Family, element_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-SMEM_LIMIT = 227 * 1024  # per block, opt-in (sm_80: 163 KB; layouts above it fail at launch there)
-SM_SMEM = 228 * 1024  # per SM (H100); each block also reserves 1 KB
+# SMEM_LIMIT (base.py) is the H100's; sm_80 opts into 163 KB, and layouts above it fail at launch there.
 SMS = 132  # H100's SMs: the tile rule aims for two waves of blocks
 REG_OVERHEAD = 32  # addresses, loop state, bias and the loader's place in the reduction
-
-
-def _esize(spec: "ConvSpec") -> int:
-    return 4 if spec.dtype == "float32" else 2
 
 
 @dataclass(frozen=True)
@@ -64,13 +59,13 @@ class NhwcFamily(Family):
         # tiles, which the estimate covers.
         frags = 0 if wg else (mi * 4 + ni * 2)
         regs = (mi * ni * 4 + frags) * (2 if strict else 1) + 4 * (bm * kc // nth) + REG_OVERHEAD
-        return {"VEC": 16 // _esize(spec), "BM": bm, "BN": bn, "KC": kc, "STAGES": stages,
+        return {"VEC": 16 // element_size(spec), "BM": bm, "BN": bn, "KC": kc, "STAGES": stages,
                 "WARPS_M_": warps_m, "WARPS_N_": warps_n, "NTH": nth,
                 # wgmma: 1 KB more, to start the ring on a whole 1024-byte swizzle pattern
                 "SMEM_BYTES": stages * (bm + bn) * kc * 16 + (1024 if wg else 0), "REGS": regs}
 
     def check_shape(self, spec: "ConvSpec") -> None:
-        vec = 16 // _esize(spec)
+        vec = 16 // element_size(spec)
         if spec.cin_per_group % vec:
             raise Unsupported(f"nhwc needs input channels per group in whole 16-byte chunks ({vec} for "
                               f"{spec.dtype}), got {spec.cin_per_group}")
@@ -127,7 +122,7 @@ class NhwcFamily(Family):
         float32 (3xTF32, mma.sync only) keeps 64-pixel tiles (its k-tile sums double the
         accumulators).
         """
-        esize = _esize(spec)
+        esize = element_size(spec)
         strict = spec.dtype == "float32" and spec.math == "ieee"
         row_bytes = spec.cin_per_group * esize
         kc = 8 if row_bytes >= 128 else 4 if row_bytes >= 64 else 2
@@ -199,12 +194,12 @@ class NhwcFamily(Family):
         (kh, kw) = spec.kernel_size
         ctx["MIN_BLOCKS"] = dict(spec.tiles)["min_blocks"]
         # The repacked weights, then (NCHW calls) the transposed input from a 256-byte boundary.
-        wbytes = spec.out_channels * kh * kw * spec.cin_per_group * _esize(spec)
+        wbytes = spec.out_channels * kh * kw * spec.cin_per_group * element_size(spec)
         ctx["WS_X_OFFSET"] = -(-wbytes // 256) * 256
         ctx["ROUND_COPY"] = self.round_copy(spec)
         copy = spec.layout == "nchw" or ctx["ROUND_COPY"]  # the input's copy follows the weights
         ctx["WORKSPACE_BYTES"] = ctx["WS_X_OFFSET"] if copy else wbytes
-        ctx["WORKSPACE_PER_INPUT"] = _esize(spec) if copy else 0
+        ctx["WORKSPACE_PER_INPUT"] = element_size(spec) if copy else 0
         return ctx
 
 

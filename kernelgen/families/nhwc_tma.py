@@ -43,27 +43,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family, first_fit
+from .base import SM_SMEM, SMEM_LIMIT, Family, element_size, first_fit
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-SMEM_LIMIT = 227 * 1024  # per block, opt-in (dynamic and static together)
-SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit signed
 BLOCK_P = (128, 256, 64, 112, 56, 96, 80)  # pixels a block (the first, the default)
 HALO_MIN_Q = 112  # output rows at least this long take halo tiles by default (56 measured even or slower)
 AREG_FEW_TILES = 66  # a_regs layers of fewer 128-pixel tiles than this take 64-pixel ones (half an H100's SMs)
 
 
-def _esize(spec: "ConvSpec") -> int:
-    return 4 if spec.dtype == "float32" else 2
-
-
 def k_tiles(spec: "ConvSpec") -> int:
     """The reduction's k-tiles: one a kernel tap and 128 bytes of its input channels."""
     kh, kw = spec.kernel_size
-    return kh * kw * -(-spec.in_channels * _esize(spec) // 128)
+    return kh * kw * -(-spec.in_channels * element_size(spec) // 128)
 
 
 def _window(spec: "ConvSpec", bp: int) -> tuple[int, int]:
@@ -106,7 +100,7 @@ class NhwcTmaFamily(Family):
         """Compile-time constants of a tile choice (the template static_asserts the same)."""
         bco, bp, wgn, stages = tiles["block_co"], tiles["block_p"], tiles["wgn"], tiles["stages"]
         pipes, wres, areg = tiles.get("pipes", 1), tiles.get("wres", 0), tiles.get("a_regs", 0) == 1
-        esize = _esize(spec)
+        esize = element_size(spec)
         ncw = bp // 64 if areg else bco // 64 * wgn
         rounders = 32 * tiles.get("round_smem", 0)  # its rounding warps' threads
         halo = tiles.get("halo", 0) == 1
@@ -132,7 +126,7 @@ class NhwcTmaFamily(Family):
                 "REGS": _areg_regs(bco) if areg else _regs(bp // wgn, ncw, tiles.get("round_smem", 0))}
 
     def check_shape(self, spec: "ConvSpec") -> None:
-        vec = 16 // _esize(spec)
+        vec = 16 // element_size(spec)
         if spec.groups != 1:
             raise Unsupported("nhwc_tma serves dense layers (groups=1)")
         if spec.dtype == "float32" and spec.math == "ieee":
@@ -288,7 +282,7 @@ class NhwcTmaFamily(Family):
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         t = dict(spec.tiles)
         lay = self.layout(spec, t)
-        esize = _esize(spec)
+        esize = element_size(spec)
         kt = k_tiles(spec)
         wbytes = spec.out_channels * kt * 128
         ws_x = -(-wbytes // 256) * 256

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family, first_fit
-from .nhwc_tma import SM_SMEM, SMEM_LIMIT, _esize, k_tiles, reg_cap  # (a 1x1's k-tiles: 128 bytes of channels each)
+from .base import SM_SMEM, SMEM_LIMIT, Family, element_size, first_fit
+from .nhwc_tma import k_tiles, reg_cap  # (a 1x1's k-tiles: 128 bytes of channels each)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -42,7 +42,7 @@ WRES_MAX = 64 * 1024  # resident weights up to this many bytes (the rest of shar
 
 def plane_fits(spec: "ConvSpec", pixels: int) -> bool:
     """Whether the TMA can address planes of `pixels` (their rows of bytes whole 16-byte chunks)."""
-    return pixels * _esize(spec) % 16 == 0
+    return pixels * element_size(spec) % 16 == 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family
+from .base import SM_SMEM, SMEM_LIMIT, Family, element_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -32,13 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # reduction at once, which grows with the channels, and past a few channels nhwc's k-tiles of
 # whole chunks are full enough.
 MAX_CIN = 8
-SMEM_LIMIT = 227 * 1024  # per block, opt-in
-SM_SMEM = 228 * 1024  # per SM (H100); each block also reserves 1 KB
 REG_OVERHEAD = 40  # tile position, table offsets, loop state, bias
-
-
-def _esize(spec: "ConvSpec") -> int:
-    return 4 if spec.dtype == "float32" else 2
 
 
 def _kpad(spec: "ConvSpec") -> int:
@@ -116,7 +110,7 @@ class StemNhwcFamily(Family):
     def layout(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> dict[str, int]:
         """Compile-time constants of a tile choice (the template static_asserts the same)."""
         (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
-        esize, strict = _esize(spec), spec.dtype == "float32" and spec.math == "ieee"
+        esize, strict = element_size(spec), spec.dtype == "float32" and spec.math == "ieee"
         tp, tq, bn = tiles["block_p"], tiles["block_q"], tiles["block_n"]
         wm, wn = tiles["warps_m"], tiles["warps_n"]
         kpad = _kpad(spec)
@@ -200,7 +194,7 @@ class StemNhwcFamily(Family):
         ctx = dict(self.layout(spec, dict(spec.tiles)))
         ctx.pop("REGS")
         ctx.pop("NTH")
-        ctx["WORKSPACE_BYTES"] = spec.out_channels * _kpad(spec) * _esize(spec)
+        ctx["WORKSPACE_BYTES"] = spec.out_channels * _kpad(spec) * element_size(spec)
         return ctx
 
 

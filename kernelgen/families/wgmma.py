@@ -46,13 +46,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family, staged_row
+from .base import SM_SMEM, SMEM_LIMIT, Family, staged_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
-SMEM_LIMIT = 227 * 1024  # per block, opt-in (H100)
-SM_SMEM = 228 * 1024  # per SM; each block also reserves 1 KB
 # Registers a thread may need: accumulators + staged input rows + this much for addresses (the
 # ws producer 16 more: case 56 bf16's, with both of its input paths, spilled with 128 and not
 # with 136).
