@@ -26,9 +26,9 @@ log = logging.getLogger("kernelgen")
 _lock = threading.RLock()
 _memo: dict[tuple["ConvSpec", "Toolchain"], tuple[Launch, str]] = {}
 _by_key: dict[str, Launch] = {}
-# key -> (KG_WORKSPACE, KG_WORKSPACE_PER_INPUT): device scratch its launch takes, in bytes, and
-# bytes more for each input element
-_workspace: dict[str, tuple[int, int]] = {}
+# key -> (KG_WORKSPACE, KG_WORKSPACE_PER_INPUT, KG_WORKSPACE_PER_OUTPUT): device scratch its
+# launch takes, in bytes, and bytes more for each input and each output element
+_workspace: dict[str, tuple[int, int, int]] = {}
 _caches: dict[str, "Cache"] = {}
 _stats: Counter = Counter()
 
@@ -96,15 +96,16 @@ def load_entry(key: str, cache: "Cache | None" = None, expect: dict | None = Non
     return fn
 
 
-def _workspace_of(module) -> tuple[int, int]:
-    return int(getattr(module, "KG_WORKSPACE", 0)), int(getattr(module, "KG_WORKSPACE_PER_INPUT", 0))
+def _workspace_of(module) -> tuple[int, int, int]:
+    return tuple(int(getattr(module, name, 0))
+                 for name in ("KG_WORKSPACE", "KG_WORKSPACE_PER_INPUT", "KG_WORKSPACE_PER_OUTPUT"))
 
 
-def workspace_bytes(key: str, input_numel: int) -> int:
+def workspace_bytes(key: str, input_numel: int, output_numel: int) -> int:
     """Bytes of device scratch memory the loaded kernel `key` takes to launch on an input of
-    `input_numel` elements (0: none)."""
-    fixed, per_input = _workspace.get(key, (0, 0))
-    return fixed + per_input * input_numel
+    `input_numel` elements and an output of `output_numel` (0: none)."""
+    fixed, per_input, per_output = _workspace.get(key, (0, 0, 0))
+    return fixed + per_input * input_numel + per_output * output_numel
 
 
 def count(name: str, n: int = 1) -> None:

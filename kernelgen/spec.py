@@ -249,6 +249,7 @@ class ConvSpec:
             "HAS_BIAS": self.bias, "LAYOUT": self.layout,
             "WORKSPACE_BYTES": 0,  # a family that needs device scratch memory says how much,
             "WORKSPACE_PER_INPUT": 0,  # and how many bytes more for each element of the input
+            "WORKSPACE_PER_OUTPUT": 0,  # and of the output
         }
         ctx.update({name.upper(): value for name, value in self.tiles})
         ctx.update(get_family(self.family).context(self))

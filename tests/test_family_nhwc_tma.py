@@ -39,6 +39,7 @@ VGG256 = dict(x=(8, 256, 56, 56), w=(256, 256, 3, 3), padding=1)
 S2 = dict(x=(32, 128, 56, 56), w=(128, 128, 3, 3), stride=2, padding=1)
 PW = dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1))  # one k-tile of bf16, two of float32
 DOWN = dict(x=(32, 256, 56, 56), w=(512, 256, 1, 1), stride=2)
+L4 = dict(x=(32, 512, 7, 7), w=(512, 512, 3, 3), padding=1)  # ResNet-50's last 3x3: 13 tiles of 128 pixels
 
 
 @pytest.mark.parametrize("layer,tf32,bf16", [
@@ -298,6 +299,52 @@ def test_a_regs_refusals_say_why():
                                                    "min_blocks": 1})
 
 
+def test_split_reductions_take_one_block_a_tile_and_room_for_their_partial_sums():
+    for dtype, cl in (("bfloat16", True), ("float32", True), ("float32", False)):
+        spec = _choose(**L4, dtype=dtype, family="nhwc_tma", tiles={"splits": 4}, channels_last=cl)
+        t = dict(spec.tiles)
+        # forced splits walk no tiles, whatever the layer's default (TF32 channels_last: a_regs tiles)
+        assert (t["splits"], t["persist"], t["halo"], t["wres"]) == (4, 0, 0, 0)
+        assert t["a_regs"] == int(dtype == "float32" and cl)
+        ctx = spec.template_context()
+        # the partial sums: four float32 sums an output element, from a 256-byte boundary past the
+        # repacked weights and the input's copy
+        assert ctx["WORKSPACE_PER_OUTPUT"] == 16 and ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] + 256
+        assert ctx["WORKSPACE_PER_INPUT"] == (4 if dtype == "float32" else 2)
+    unsplit = _choose(**L4, dtype="bfloat16", family="nhwc_tma", tiles={"splits": 1}).template_context()
+    assert unsplit["SPLITS"] == 1 and unsplit["WORKSPACE_PER_OUTPUT"] == 0
+    assert unsplit["WORKSPACE_BYTES"] == unsplit["WS_X_OFFSET"]
+
+
+@pytest.mark.parametrize("layer,dtype,cl,splits", [
+    # 52 tiles of 128 output channels x 128 pixels: split in two (16-bit channels_last, NCHW)
+    (L4, "bfloat16", True, 2), (L4, "bfloat16", False, 2), (L4, "float32", False, 2),
+    (dict(x=(32, 2048, 7, 7), w=(512, 2048, 1, 1)), "bfloat16", True, 2),
+    # 98 tiles: whole reductions; TF32 channels_last keeps its a_regs tiles whole
+    (dict(x=(32, 256, 14, 14), w=(256, 256, 3, 3), padding=1), "bfloat16", True, 1), (L4, "float32", True, 1),
+    # 9 k-tiles (an odd count) and 64-channel tiles (which walk) stay whole
+    (dict(x=(32, 64, 7, 7), w=(128, 64, 3, 3), padding=1), "bfloat16", True, 1),
+    (dict(x=(32, 256, 7, 7), w=(64, 256, 3, 3), padding=1), "bfloat16", True, 1),
+])
+def test_layers_of_few_tiles_split_their_reduction_in_two(layer, dtype, cl, splits):
+    spec = _choose(**layer, dtype=dtype, family="nhwc_tma", channels_last=cl)
+    assert dict(spec.tiles)["splits"] == splits
+
+
+def test_split_refusals_say_why():
+    with pytest.raises(ConvArgumentError, match="one block a tile"):
+        _choose(**L4, dtype="bfloat16", family="nhwc_tma", tiles={"splits": 2, "persist": 1})
+    with pytest.raises(ConvArgumentError, match="one block a tile"):
+        _choose(**VGG64, dtype="bfloat16", family="nhwc_tma", tiles={"splits": 2, "halo": 1, "stages": 2})
+    # 9 k-tiles (bf16 64 channels, 3x3) split 2 or 6 ways: not the same number a split, or under two
+    for splits in (2, 4, 6):
+        with pytest.raises(ConvArgumentError, match="cannot be split"):
+            _choose((8, 64, 7, 7), (64, 64, 3, 3), padding=1, dtype="bfloat16", family="nhwc_tma",
+                    tiles={"splits": splits})
+    assert dict(_choose((8, 64, 7, 7), (64, 64, 3, 3), padding=1, dtype="bfloat16", family="nhwc_tma",
+                        tiles={"splits": 3}).tiles)["splits"] == 3
+
+
 def test_forced_tiles_hold():
     spec = _choose(**VGG256, dtype="bfloat16", family="nhwc_tma",
                    tiles={"block_co": 64, "block_p": 256, "wgn": 2, "stages": 3})
@@ -337,6 +384,9 @@ def test_forced_tiles_hold():
     (VGG64, "float32", True, {"a_regs": 1, "halo": 1, "persist": 1, "stages": 2, "min_blocks": 1, "block_p": 64}, True),
     (VGG64, "bfloat16", False, {"a_regs": 1, "persist": 1, "wres": 1, "pipes": 2, "stages": 3, "min_blocks": 1,
                                 "block_p": 64}, True),
+    # split reductions (the partial sums and the kernel that adds them up): both orientations, NCHW
+    (L4, "bfloat16", True, {"splits": 4}, True), (L4, "float32", False, {"splits": 2}, True),
+    (L4, "float32", True, {"splits": 3}, False), (L4, "float16", False, {"splits": 6, "block_co": 64}, False),
 ])
 def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, tiles, cl, tmp_path):
     spec = _choose(**layer, dtype=dtype, bias=bias, family="nhwc_tma", tiles=tiles, channels_last=cl)
@@ -358,10 +408,14 @@ def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, ti
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity" in text and "mma.sync" not in text and "cp.async.cg" not in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
-    # the main kernel, the weight repack, the strided copy, the dense rounding copy and (NCHW) the
-    # transpose; NCHW tiles leave straight from the accumulators, channels_last ones as 16-byte rows
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4 + (not cl), report
+    # the main kernel, the weight repack, the strided copy, the dense rounding copy, (NCHW) the
+    # transpose and (split reductions) the sum of the splits; NCHW tiles leave straight from the
+    # accumulators, channels_last ones as 16-byte rows, split ones as partial sums
+    split = t["splits"] > 1
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4 + (not cl) + split, report
+    assert ("kg_tma_reduce" in text) == split
     # staging: consumers meet (a_regs warps stage their own rows, with no barrier beyond the warp's)
-    assert ("kg_nhwc_transpose" in text) == (not cl) and bool(re.search(r"bar\.sync\s+%r", text)) == (cl and not areg)
+    staged = cl and not split
+    assert ("kg_nhwc_transpose" in text) == (not cl) and bool(re.search(r"bar\.sync\s+%r", text)) == (staged and not areg)
     # 16-bit channels_last tiles stage their fragments with stmatrix, transposed to pixel rows
-    assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text) == (cl and dtype != "float32" and not areg)
+    assert ("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text) == (staged and dtype != "float32" and not areg)

@@ -54,8 +54,8 @@ class Case:
     bias: bool
     dtype: str
     precision: str | None
-    layout: str  # contiguous, channels_last, weight_channels_last, strided_view, offset, cl_offset,
-    # weight_slice, cl_weight_slice
+    layout: str  # contiguous, channels_last, weight_channels_last, cl_both (input and weight
+    # channels_last), strided_view, offset, cl_offset, weight_slice, cl_weight_slice
     H: int
     W: int
     family: str | None
@@ -748,6 +748,34 @@ def make_nhwc_tma_halo_cases() -> list[Case]:
             for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
 
 
+def make_nhwc_tma_split_cases() -> list[Case]:
+    """`nhwc_tma`'s split reductions (each split's float32 partial sums to the workspace, summed
+    with the bias into the output by a second kernel): 2 to 8 splits, both GEMM orientations (TF32
+    channels_last on a_regs tiles, the others with the output channels as wgmma's M), a last pixel
+    tile of a few pixels and output channels past the last whole block, NCHW calls (odd and even
+    planes, a strided view), inputs copied first (TF32's rounded copy, an offset start), weights
+    read as they lie (16-bit channels_last: cl_both) and through their strides, unbatched input."""
+    rows = [  # N, C, K, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, splits (+ tiles)
+        (3, 64, 136, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "cl_both", 7, 9, {"splits": 3}),
+        (5, 128, 64, (3, 3), (1, 1), 1, (1, 1), False, "float16", None, "channels_last", 7, 7, {"splits": 6}),
+        (2, 1024, 96, (1, 1), (1, 1), 0, (1, 1), True, "bfloat16", None, "cl_both", 7, 7, {"splits": 8}),
+        (4, 64, 200, (3, 3), (2, 2), 1, (1, 1), True, "bfloat16", None, "cl_offset", 15, 13,
+         {"splits": 3, "block_co": 64}),
+        (3, 64, 136, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "channels_last", 7, 9, {"splits": 2}),
+        (2, 128, 256, (3, 3), (1, 1), 1, (1, 1), False, "float32", "tf32", "cl_both", 9, 7,
+         {"splits": 4, "block_p": 64}),
+        (3, 96, 72, (3, 3), (1, 1), 2, (2, 2), True, "float32", "tf32", "cl_weight_slice", 11, 10,
+         {"splits": 3, "a_regs": 0}),
+        (0, 256, 128, (1, 1), (1, 1), 0, (1, 1), True, "float32", "tf32", "contiguous", 7, 7, {"splits": 2}),
+        (3, 64, 136, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "contiguous", 7, 9, {"splits": 3}),
+        (2, 64, 72, (3, 3), (1, 1), 1, (1, 1), False, "float32", "tf32", "contiguous", 8, 8, {"splits": 2}),
+        (2, 128, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "strided_view", 7, 7, {"splits": 4}),
+        (2, 128, 128, (5, 5), (1, 1), 2, (1, 1), True, "float16", None, "weight_slice", 9, 11, {"splits": 2}),
+    ]
+    return [Case(7050 + i, n, c, k, 1, ker, st, pad, dil, b, dt, prec, lay, h, w, "nhwc_tma", tuple(sorted(t.items())))
+            for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+
+
 def make_pointwise_tma_cases() -> list[Case]:
     """`pointwise_tma` (1x1 NCHW on the TMA and wgmma): planes that end in a partial tile, input
     channels short of a k-tile and odd k-tile counts, output channels past the last whole block,
@@ -967,7 +995,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 make_strip_cases(32) + make_acc2_cases() +
                                 make_short_reduction_cases() + make_nhwc_tma_cases(48) + make_nhwc_tma_nchw_cases(24) +
                                 make_nhwc_tma_walk_cases() + make_nhwc_tma_halo_cases() + make_pointwise_tma_cases() +
-                                make_nhwc_tma_areg_cases()
+                                make_nhwc_tma_areg_cases() + make_nhwc_tma_split_cases()
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
@@ -990,7 +1018,7 @@ def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
         x = torch.randn(*shape, generator=g).to(device=device, dtype=dt)
     w = torch.randn(case.K, case.C // case.groups, *case.kernel, generator=g).to(device=device, dtype=dt)
     b = torch.randn(case.K, generator=g).to(device=device, dtype=dt) if case.bias else None
-    if case.layout == "channels_last":
+    if case.layout in ("channels_last", "cl_both"):
         x = x.contiguous(memory_format=torch.channels_last)
     if case.layout == "offset":  # NCHW, its data one element past an aligned start
         view = torch.empty(x.numel() + 1, device=device, dtype=dt)[1:].view(x.shape)
@@ -999,7 +1027,7 @@ def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
         view = torch.empty(x.numel() + 1, device=device, dtype=dt)[1:].view(x.permute(0, 2, 3, 1).shape)
         view = view.permute(0, 3, 1, 2)
         x = view.copy_(x) if device != "meta" else view
-    if case.layout == "weight_channels_last":
+    if case.layout in ("weight_channels_last", "cl_both"):
         w = w.contiguous(memory_format=torch.channels_last)
     if case.layout in ("weight_slice", "cl_weight_slice"):  # every other output channel, rows 1..kh
         big = torch.randn(2 * case.K, case.C // case.groups, case.kernel[0] + 1, case.kernel[1], generator=g)
@@ -1286,6 +1314,16 @@ MEMCHECK = textwrap.dedent("""
                    tiles={{"a_regs": 1, "block_p": 64}})
             run_cl(dtype, (2, 32, 12, 70), (64, 32, 3, 3), 0, family="nhwc_tma", padding=1,
                    tiles={{**halo, "a_regs": 1, "block_p": 64}})
+            # split reductions: the partial sums' workspace past the input's copy, a last pixel tile
+            # of a few pixels, output channels past the last block; both orientations, NCHW
+            run_cl(dtype, (3, 64, 7, 9), (136, 64, 3, 3), 0, family="nhwc_tma", padding=1, tiles={{"splits": 3}})
+            run_cl(dtype, (3, 64, 7, 9), (72, 64, 3, 3), 1, family="nhwc_tma", padding=1,
+                   tiles={{"splits": 3, "a_regs": 0}})
+            run("nhwc_tma", dtype, (3, 64, 7, 10), (72, 64, 3, 3), padding=1, tiles={{"splits": 2}})
+            # weights read where they lie (16-bit, channels_last and whole k-tiles of channels)
+            x = torch.randn(2, 64, 9, 11, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+            w = torch.randn(72, 64, 3, 3, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+            kernelgen.conv2d(x, w, family="nhwc_tma", padding=1)
         if "pointwise_tma" in fams and torch.cuda.get_device_capability() == (9, 0):
             # the input read where it lies, from an aligned start and one element past one; a
             # plane's partial last tile, output channels past the last whole block, resident

@@ -52,6 +52,8 @@ CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit 
 BLOCK_P = (128, 256, 64, 112, 56, 96, 80)  # pixels a block (the first, the default)
 HALO_MIN_Q = 112  # output rows at least this long take halo tiles by default (56 measured even or slower)
 AREG_FEW_TILES = 66  # a_regs layers of fewer 128-pixel tiles than this take 64-pixel ones (half an H100's SMs)
+SPLIT_FEW_TILES = 66  # other layers of fewer tiles than this split their reduction in two
+SPLIT_MIN_K_TILES = 8  # (where it has this many k-tiles or more, an even number)
 
 
 def k_tiles(spec: "ConvSpec") -> int:
@@ -168,6 +170,17 @@ class NhwcTmaFamily(Family):
             if lay["WB"] > 256 or lay["HB"] > 256:
                 raise Unsupported(f"nhwc_tma: a halo window of {lay['HB']} x {lay['WB']} pixels exceeds the TMA's "
                                   "box (256 a side)")
+        splits = tiles.get("splits", 1)
+        if splits > 1:
+            if persist or tiles.get("halo", 0):
+                raise Unsupported("nhwc_tma: split reductions run one block a tile and a k-tile a slot (persist=0, "
+                                  "halo=0)")
+            if spec.layout == "nchw" and spec.out_channels > 4 * 65535:
+                raise Unsupported("nhwc_tma: an NCHW split reduction sums a grid row a quad of output channels "
+                                  f"(65535 quads at most, got {spec.out_channels} channels)")
+            if k_tiles(spec) % splits or k_tiles(spec) < 2 * splits:
+                raise Unsupported(f"nhwc_tma: {k_tiles(spec)} k-tiles cannot be split {splits} ways (the same number, "
+                                  "two or more, a split)")
         if wres and not persist:
             raise Unsupported("nhwc_tma: resident weights (wres) need persistent blocks (persist=1)")
         if wres and spec.out_channels > lay["BCO"]:
@@ -244,7 +257,18 @@ class NhwcTmaFamily(Family):
         tiles) 0.096 / 0.087 / 0.082; 2048->512 1x1 0.055 / 0.051 / 0.049; 256->256 3x3 on 32 x 14
         x 14 (98 tiles) 0.059 / 0.079 / 0.079; 512->512 on 16 x 14 x 14 (100) 0.098 / 0.137 / 0.133;
         one block a tile of 128 pixels lost to walking (64->256 1x1 on 32 x 56 x 56 0.110 / 0.092,
-        three rounds) and wgmma N 256 did not pay (256->1024 1x1 on 14 x 14 0.073 against 0.067)."""
+        three rounds) and wgmma N 256 did not pay (256->1024 1x1 on 14 x 14 0.073 against 0.067).
+
+        splits: one block a tile of 128 output channels (16-bit channels_last, and NCHW calls)
+        where the layer has fewer than SPLIT_FEW_TILES of them, split in two along an even
+        reduction of SPLIT_MIN_K_TILES k-tiles or more, so that twice the blocks share the work.
+        H100, same process, stream time of 20 calls, us (one split / 2 / 3 / 4; F.conv2d):
+        512->512 3x3 on 32 x 7 x 7 (52 tiles), bf16 channels_last 34.4 / 23.5 / 26.8 / 22.9; 17.5;
+        NCHW TF32 92.0 / 64.5 / 71.3 / 64.9; 60.7; NCHW bf16 51.1 / 36.8 / 41.5 / 39.3; 38.1;
+        2048->512 1x1 bf16 channels_last 17.2 / 14.7 / - / 15.6; 11.2. Where it did not pay: 98
+        tiles (256->256 3x3 on 32 x 14 x 14, bf16 channels_last 19.5 / 23.4 / 27.4; 17.9, NCHW TF32
+        49.0 / 55.9; 45.6) and TF32 channels_last's a_regs tiles (512->512 on 7 x 7 56.7 unsplit,
+        52.9-75.1 split two to four ways in tiles of 64 or 128 pixels; 36.9)."""
         if problem.arch != "sm_90a":
             raise Unsupported(f"nhwc_tma: the TMA's im2col mode and wgmma need sm_90a (target {problem.arch or 'unknown'})")
         fixed = dict(fixed or {})
@@ -276,7 +300,13 @@ class NhwcTmaFamily(Family):
                 return ((1, 8), (1, 7), (1, 6), (1, 5), (1, 4), (1, 3))
             return ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
 
+        tiles = -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // bco)
+        if (bco > 64 and not tf32_cl and tiles < SPLIT_FEW_TILES and k_tiles(spec) >= SPLIT_MIN_K_TILES
+                and k_tiles(spec) % 2 == 0 and fixed.get("persist", 0) == 0):
+            walks = [{"splits": 2, **walk} for walk in walks]
         bases = [{**base, **walk, **fixed} for walk in walks]
+        if bases[0].get("splits", 1) > 1:  # a split reduction runs one block a tile, a k-tile a slot
+            bases = [{**b, "persist": 0, "halo": 0, "wres": 0, "pipes": 1, **fixed} for b in bases]
         return first_fit(lambda c: self.check_tiles(spec, c), [(b, depths(b)) for b in bases], fixed)
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
@@ -287,12 +317,15 @@ class NhwcTmaFamily(Family):
         wbytes = spec.out_channels * kt * 128
         ws_x = -(-wbytes // 256) * 256
         areg = t.get("a_regs", 0) == 1
+        splits = t.get("splits", 1)
         return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "AREG": areg,
                 "WN": 64 if areg else lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
                 "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"], "WS_X_OFFSET": ws_x,
                 # the repacked weights, then room for a dense copy of the input (TF32 rounds it;
-                # 16-bit inputs the TMA cannot address are copied)
-                "WORKSPACE_BYTES": ws_x, "WORKSPACE_PER_INPUT": esize}
+                # 16-bit inputs the TMA cannot address are copied), then (split reductions) each
+                # split's float32 partial sums, from a 256-byte boundary
+                "WORKSPACE_BYTES": ws_x + (256 if splits > 1 else 0),
+                "WORKSPACE_PER_INPUT": esize, "WORKSPACE_PER_OUTPUT": 4 * splits if splits > 1 else 0}
 
 
 nhwc_tma = NhwcTmaFamily(
@@ -300,7 +333,8 @@ nhwc_tma = NhwcTmaFamily(
     dtypes=("float32", "float16", "bfloat16"), tf32=True,
     tiles={"block_co": (64, 128, 256), "block_p": BLOCK_P, "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
-           "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8), "a_regs": (0, 1)},
+           "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8), "a_regs": (0, 1),
+           "splits": (1, 2, 3, 4, 6, 8)},
 )
 
 FAMILIES = (nhwc_tma,)
