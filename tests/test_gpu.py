@@ -1319,7 +1319,7 @@ MEMCHECK = textwrap.dedent("""
             run_cl(dtype, (3, 64, 7, 9), (136, 64, 3, 3), 0, family="nhwc_tma", padding=1, tiles={{"splits": 3}})
             run_cl(dtype, (3, 64, 7, 9), (72, 64, 3, 3), 1, family="nhwc_tma", padding=1,
                    tiles={{"splits": 3, "a_regs": 0}})
-            run("nhwc_tma", dtype, (3, 64, 7, 10), (72, 64, 3, 3), padding=1, tiles={{"splits": 2}})
+            run("nhwc_tma", dtype, (3, 64, 7, 10), (72, 64, 3, 3), padding=1, tiles={{"splits": 3}})
             # weights read where they lie (16-bit, channels_last and whole k-tiles of channels)
             x = torch.randn(2, 64, 9, 11, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
             w = torch.randn(72, 64, 3, 3, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
