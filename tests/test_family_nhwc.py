@@ -300,12 +300,15 @@ def test_lowers_to_mma_sync_fed_by_cp_async_without_spills(name, dtype, math, bi
         assert f"mma.sync.aligned.{shape}.row.col.f32.{ab}.f32" in text and "wgmma" not in text
     assert "cp.async.cg.shared.global" in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
-    # the repack, the main loop's two input paths, (NCHW) the input transpose and (wgmma on a
-    # channels_last TF32 input) the rounding copy, none spilling
+    # the repack (and, over 1x1, the one that reads NCHW's dense weights through shared memory),
+    # the main loop's two input paths, (NCHW) the input transpose and (wgmma on a channels_last
+    # TF32 input) the rounding copy, none spilling
     rounds = FAM.round_copy(spec)
     assert not rounds or (cl and t["wg"] == 1 and dtype == "float32" and math == "tf32")
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3 + (not cl) + rounds, report
+    taps = spec.kernel_size != (1, 1)
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3 + (not cl) + rounds + taps, report
     assert ("kg_nhwc_transpose" in text) == (not cl) and ("kg_nhwc_round" in text) == rounds
+    assert ("kg_repack_oihw" in text) == taps
     if dtype != "float32":
         # wgmma's 16-bit channels_last tiles leave through shared memory as 16-byte row vectors
         # (STAGE_Y; these tiles all fit the ring); the others store fragments' channel pairs.

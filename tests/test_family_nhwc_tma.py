@@ -408,12 +408,14 @@ def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, ti
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity" in text and "mma.sync" not in text and "cp.async.cg" not in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
-    # the main kernel, the weight repack, the strided copy, the dense rounding copy, (NCHW) the
-    # transpose and (split reductions) the sum of the splits; NCHW tiles leave straight from the
-    # accumulators, channels_last ones as 16-byte rows, split ones as partial sums
+    # the main kernel, the weight repack (and, over 1x1, the one that reads NCHW's dense weights
+    # through shared memory), the strided copy, the dense rounding copy, (NCHW) the transpose and
+    # (split reductions) the sum of the splits; NCHW tiles leave straight from the accumulators,
+    # channels_last ones as 16-byte rows, split ones as partial sums
     split = t["splits"] > 1
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4 + (not cl) + split, report
-    assert ("kg_tma_reduce" in text) == split
+    taps = spec.kernel_size != (1, 1)
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 4 + (not cl) + split + taps, report
+    assert ("kg_tma_reduce" in text) == split and ("kg_repack_oihw" in text) == taps
     # staging: consumers meet (a_regs warps stage their own rows, with no barrier beyond the warp's)
     staged = cl and not split
     assert ("kg_nhwc_transpose" in text) == (not cl) and bool(re.search(r"bar\.sync\s+%r", text)) == (staged and not areg)
