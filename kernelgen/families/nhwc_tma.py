@@ -175,9 +175,6 @@ class NhwcTmaFamily(Family):
             if persist or tiles.get("halo", 0):
                 raise Unsupported("nhwc_tma: split reductions run one block a tile and a k-tile a slot (persist=0, "
                                   "halo=0)")
-            if spec.layout == "nchw" and spec.out_channels > 4 * 65535:
-                raise Unsupported("nhwc_tma: an NCHW split reduction sums a grid row a quad of output channels "
-                                  f"(65535 quads at most, got {spec.out_channels} channels)")
             if k_tiles(spec) % splits or k_tiles(spec) < 2 * splits:
                 raise Unsupported(f"nhwc_tma: {k_tiles(spec)} k-tiles cannot be split {splits} ways (the same number, "
                                   "two or more, a split)")
