@@ -213,3 +213,45 @@ def test_binding_compiles_with_the_host_compiler(tmp_path):
     r = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", f"-I{inc}", "-DTORCH_EXTENSION_NAME=kg_test", str(p)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.compile
+def test_weight_layout_tests_choose_the_repack(tmp_path):
+    # abi.cuh's two stride tests decide how the channels_last GEMM families take a call's weights:
+    # as they lie (dense [out][kh][kw][in] from a 16-byte boundary), through the shared-memory
+    # repack (dense [out][in][kh][kw]), or else through the element-wise gather. Built as plain C++.
+    abi = render_mod._environment().get_template("common/abi.cuh.j2").render(DEVICE="cuda")
+    cases = [  # name, strides (out, in, kh, kw), kh, kw, cin, offset in bytes, (oihw, ohwi)
+        ("OIHW 3x3", (144, 9, 3, 1), 3, 3, 16, 0, (1, 0)),
+        ("OHWI 3x3 (channels_last)", (144, 1, 48, 16), 3, 3, 16, 0, (0, 1)),
+        ("OHWI 3x3 off a 16-byte boundary", (144, 1, 48, 16), 3, 3, 16, 4, (0, 0)),
+        ("1x1, either order", (16, 1, 1, 1), 1, 1, 16, 0, (1, 1)),
+        ("3x1 OIHW (kw's stride not looked at)", (48, 3, 1, 7), 3, 1, 16, 0, (1, 0)),
+        ("half the input channels of a 3x3", (288, 9, 3, 1), 3, 3, 16, 0, (0, 0)),
+        ("OIHW with a padded output-channel stride", (160, 9, 3, 1), 3, 3, 16, 0, (0, 0)),
+    ]
+    rows = "\n".join(f"  {{{{{s[0]}, {s[1]}, {s[2]}, {s[3]}}}, {kh}, {kw}, {cin}, {off}}},"
+                     for _, s, kh, kw, cin, off, _ in cases)
+    src = tmp_path / "abi_test.cpp"
+    src.write_text(abi + f"""
+struct Case {{ long long s[4]; int kh, kw, cin, off; }};
+static const Case cases[] = {{
+{rows}
+}};
+alignas(16) static char buf[64];
+int main() {{
+  for (const Case& c : cases) {{
+    KgArgs a = {{}};
+    a.w = buf + c.off;
+    for (int i = 0; i < 4; ++i) a.wst[i] = c.s[i];
+    printf("%d %d\\n", (int)kg_weight_dense_oihw(&a, c.kh, c.kw, c.cin), (int)kg_weight_dense_ohwi(&a, c.kh, c.kw, c.cin));
+  }}
+  return 0;
+}}
+""")
+    exe = tmp_path / "abi_test"
+    r = subprocess.run(["c++", "-std=c++17", "-Wall", "-Werror", str(src), "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
+    got = {name: tuple(int(v) for v in line.split()) for (name, *_), line in zip(cases, out)}
+    assert got == {name: want for name, *_, want in cases}
