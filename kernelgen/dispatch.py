@@ -27,7 +27,14 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.171, 0.189 / 0.243 / 0.241, 0.146 / 0.161 / 0.127; of 16 on 14 x 14 strict 0.092 / 0.102 /
    0.269, but TF32 0.094 / 0.085 and bf16 0.088 / 0.070 (stay). Runs of 2 pixels (vec_q 2, which
    divides 14) lost to 4 on every such layer. NCHW depthwise stays on `depthwise` (depthwise_nhwc
-   through the transpose: 960 channels on 7 x 7 0.052 / 0.044, 384 on 14 x 14 0.078 / 0.036).
+   through the transpose: 960 channels on 7 x 7 0.052 / 0.044, 384 on 14 x 14 0.078 / 0.036),
+   except input planes of at most SMALL_PLANE elements: depthwise_planes stages whole planes a
+   block, one contiguous run of them. H100, batch 32, 3x3 padding 1, same process, stream time of
+   20 calls, us (depthwise_planes' default tiles / depthwise / F.conv2d): 960 channels on 7 x 7
+   float32 11.5 / 25.6 / 16.0, bf16 11.5 / 26.6 / 17.1; 576 on 14 x 14 stride 2 float32 10.4 (16
+   planes) / 21.1 / 11.0; 384 on 14 x 14 float32 13.8 (16 planes) / 18.5 / 23.0, bf16 14.4 / 19.1 /
+   24.6. On 28 x 28 depthwise wins in float32 (192 channels 23.6 / 17.8; bf16 24.2 / 26.2), and on
+   56 x 56 by more (144 channels float32 69.3 / 46.6).
    stem_nhwc: channels_last dense layers of 2-4 input channels (first layers: RGB, RGBA; one is
    depthwise's), and of
    5-8 where nhwc cannot take them (not whole 16-byte chunks: direct served them) or, 16-bit only,
@@ -208,9 +215,11 @@ from .families import get_family
 from .families.nhwc_tma import k_tiles as tma_k_tiles
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise", "depthwise_nhwc", "grouped_nhwc", "stem_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma",
+CUDA_ORDER = ("depthwise_planes", "depthwise", "depthwise_nhwc", "grouped_nhwc", "stem_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma",
               "pointwise", "igemm", "direct")
 CPU_ORDER = ("cpu_direct",)
+# NCHW depthwise planes up to this many elements go to depthwise_planes (module docstring, item 1).
+SMALL_PLANE = 256
 
 
 def _available(names: tuple[str, ...]) -> list[str]:
@@ -325,6 +334,8 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         # take (not whole 16-byte chunks); 16-bit 7x7 kernels and larger
         vec = 4 if spec.dtype == "float32" else 8
         return spec.in_channels <= 4 or spec.in_channels % vec != 0 or (spec.dtype != "float32" and kh * kw >= 49)
+    if name == "depthwise_planes":  # input planes of at most SMALL_PLANE elements
+        return problem.H * problem.W <= SMALL_PLANE
     if name == "pointwise_tma":  # reductions of 96 channels or more into at least one whole wgmma N
         return spec.in_channels >= 96 and spec.out_channels >= 64
     if name == "nhwc_tma":

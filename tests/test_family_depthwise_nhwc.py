@@ -49,7 +49,9 @@ LAYERS = {
 def test_channels_last_depthwise_goes_here_and_nchw_stays_on_depthwise(name, dtype):
     spec = _choose(**LAYERS[name], dtype=dtype)
     assert spec.family == "depthwise_nhwc" and spec.layout == "nhwc"
-    assert _choose(**LAYERS[name], dtype=dtype, channels_last=False).family == "depthwise"
+    # NCHW: whole small planes a block (7 x 7), else plane tiles
+    nchw = "depthwise_planes" if name == "mv2.dw960.7" else "depthwise"
+    assert _choose(**LAYERS[name], dtype=dtype, channels_last=False).family == nchw
 
 
 def test_default_tiles_for_the_measured_layers():

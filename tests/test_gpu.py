@@ -872,6 +872,33 @@ def make_depthwise_cases(n: int, seed: int = 6570) -> list[Case]:
     return cases
 
 
+def make_depthwise_planes_cases(n: int, seed: int = 6590) -> list[Case]:
+    """NCHW depthwise calls forced onto `depthwise_planes` (whole planes a block) with random
+    tiles: every dtype, channel multipliers, kernel shapes, strides, dilations and paddings, planes
+    from 1 x 1 to 20 x 20, planes a block that do not divide the batch's, on contiguous inputs
+    (the 16-byte run, from any plane's start) and strided views (element loads)."""
+    rng = random.Random(seed)
+    fam = get_family("depthwise_planes")
+    cases = []
+    for idx in range(n):
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16", "float64"])
+        C = rng.choice([1, 3, 8, 16, 24])
+        mult = rng.choice([1, 1, 2, 3])
+        kernel = rng.choice([(3, 3), (3, 3), (5, 5), (3, 1), (1, 3), (2, 4)])
+        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2)])
+        dilation = rng.choice([(1, 1), (1, 1), (2, 2)])
+        padding = rng.choice([0, 1, (1, 2)] + (["same"] if stride == (1, 1) else []))
+        eh, ew = _extent(kernel, dilation)
+        H, W = max(rng.randint(1, 20), eh), max(rng.randint(1, 20), ew)
+        tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
+            C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nchw", "ieee", "depthwise_planes",
+            tuple(pick.items())))
+        cases.append(Case(6590 + idx, rng.choice([1, 2, 3]), C, C * mult, C, kernel, stride, padding, dilation,
+                          rng.random() < 0.5, dtype, None, rng.choice(["contiguous"] * 3 + ["strided_view"]), H, W,
+                          "depthwise_planes", tiles))
+    return cases
+
+
 def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
     """channels_last grouped calls forced onto `grouped_nhwc`: every dtype, 2-16 input channels a
     group (runs of input that are whole 16-byte loads and not: 3, 6, 12), output channels a group
@@ -971,6 +998,7 @@ def make_weight_layout_cases(hopper: bool) -> list[Case]:
     tensor (`weight_slice`; `cl_weight_slice` with a channels_last input)."""
     rows = [  # family, C, K, groups, kernel, layouts
         ("depthwise", 16, 32, 16, (3, 3), ["weight_slice"]),
+        ("depthwise_planes", 16, 32, 16, (3, 3), ["weight_slice"]),
         ("depthwise_nhwc", 16, 32, 16, (3, 3), ["cl_weight_slice"]),
         ("grouped_nhwc", 32, 32, 8, (3, 3), ["weight_channels_last", "cl_weight_slice"]),
         ("nhwc", 32, 64, 1, (3, 3), ["weight_channels_last", "cl_weight_slice"]),
@@ -999,6 +1027,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
+         make_depthwise_planes_cases(24) +
          make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_stem_nhwc_cases(48) +
          make_weight_layout_cases(HOPPER))
 
@@ -1140,6 +1169,16 @@ def test_current_stream_is_used():
         done.record(side)
     done.synchronize()  # waiting on the side stream alone must be enough
     assert rel_err(y, ref) <= 1e-5
+
+
+def test_depthwise_planes_names_planes_past_shared_memory():
+    # 64 forced planes of 64 x 64 float32 (1 MB) cannot be staged: the launch says so and names the tile
+    x = torch.randn(2, 64, 64, 64, device="cuda")
+    w = torch.randn(64, 1, 3, 3, device="cuda")
+    with pytest.raises(RuntimeError, match=r"64 planes of 64 x 64 need \d+ bytes .*choose fewer planes"):
+        kernelgen.conv2d(x, w, groups=64, padding=1, family="depthwise_planes", tiles={"planes": 64})
+    y = kernelgen.conv2d(x, w, groups=64, padding=1, family="depthwise_planes", tiles={"planes": 2})
+    assert rel_err(y, F.conv2d(x.double(), w.double(), groups=64, padding=1)) <= 1e-5
 
 
 def test_cuda_graph_capture_and_replay():
@@ -1334,6 +1373,15 @@ MEMCHECK = textwrap.dedent("""
                 kernelgen.conv2d(x, w, torch.randn(80, device="cuda", dtype=dtype), family="pointwise_tma")
             run("pointwise_tma", dtype, (3, 256, 6, 12), (136, 256, 1, 1), view=False,
                 tiles={{"wres": 0, "stages": 2}})
+        if "depthwise_planes" in fams:
+            # whole planes a block: runs that start past a 16-byte boundary and a last vector
+            # past the input's end (735 elements), a partial last chunk, a multiplier, the
+            # element path (an offset view), 65 KB of shared memory (64 planes of 16 x 16)
+            run("depthwise_planes", dtype, (3, 5, 7, 7), (10, 1, 3, 3), view=False, groups=5, padding=1,
+                tiles={{"planes": 4, "threads": 64}})
+            run("depthwise_planes", dtype, (3, 5, 7, 8), (5, 1, 3, 3), groups=5, stride=2, padding=(1, 2))
+            run("depthwise_planes", dtype, (2, 40, 16, 16), (40, 1, 5, 5), view=False, groups=40, padding=2,
+                tiles={{"planes": 64, "threads": 256}})
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)
@@ -1405,7 +1453,7 @@ MEMCHECK = textwrap.dedent("""
 # The script's families in two parts of about four minutes each on the H100, so that each fits a
 # device call of its own (benchmarks/gpu_all.sh tests-memcheck1, tests-memcheck2).
 MEMCHECK_PARTS = {"part1": ("direct", "nhwc", "nhwc_tma", "pointwise_tma", "stem_nhwc"),
-                  "part2": ("depthwise", "depthwise_nhwc", "grouped_nhwc", "pointwise", "igemm", "wgmma")}
+                  "part2": ("depthwise", "depthwise_planes", "depthwise_nhwc", "grouped_nhwc", "pointwise", "igemm", "wgmma")}
 
 
 def test_memcheck_parts_cover_every_family():
