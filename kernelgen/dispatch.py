@@ -102,14 +102,14 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    (1x1 64->64 0.066 / 0.063 (nhwc); 144->24 0.072 / 0.064; 3x3 64->64 on 56 x 56 0.102 / 0.100,
    on 8 x 224 x 224 0.259 / 0.227 with halo tiles), nor in bf16 (512->512 3x3 on 7 x 7 0.067 /
    0.059, 256->256 on 14 x 14 0.047 / 0.040, 256->512 1x1 stride 2 0.047 / 0.044).
-   Also 16-bit channels_last 1x1 layers (stride 1) of fewer than 64 input channels, whose one
-   k-tile nhwc runs mostly empty: H100, bf16, batch 32, same process, five rounds, ms (nhwc_tma /
-   nhwc / F.conv2d): 16->96 on 112 x 112 0.085 / 0.206 / 0.066; 24->144 on 56 x 56 0.058 / 0.080 /
-   0.046; 48->192 0.060 / 0.093 / 0.049-0.055; 32->128 0.058 / 0.061 / 0.046-0.056; 32->64 on 112 x
-   112 0.070 / 0.110 / 0.062-0.067; 32->192 on 28 x 28 0.048 / 0.049. Not from 64 (64->64 on 56 x
-   56 0.055 / 0.040; 64->256 0.071 / 0.069), nor TF32, whose rounding warps cost more there (24->144
-   0.082 / 0.075; 64->64 0.060 / 0.057; of the 1x1 layers tried only 2048->512 on 7 x 7 gained,
-   0.067 / 0.076).
+   Also channels_last 1x1 layers at stride 1 of short reductions (nhwc_tma.short_1x1: up to 5
+   k-tiles, 320 16-bit or 160 float32 input channels), on persistent tiles that walk the layer
+   (nhwc_tma's default_tiles quotes the A/B). H100, batch 32, same process, stream time of 20
+   calls, us (nhwc_tma / nhwc / F.conv2d), bf16: 144->24 on 56 x 56 13.2 / 18.7 / 10.3; 64->64 6.9 /
+   10.6 / 7.8; 96->96 16.4 / 21.3 / 12.2; 128->128 on 28 x 28 6.5 / 7.3 / 5.9; 64->256 on 56 x 56
+   25.3 / 34.4 / 26.1; TF32: 64->64 23.0 / 26.8 / 20.0; 144->24 33.0 / 37.8 / 30.7. One block a tile,
+   as the twenty-fifth session measured, lost on 64 input channels and more (64->64 0.055 / 0.040
+   ms) and won only under 64 (bf16 24->144 0.058 / 0.080 / 0.046).
    NCHW calls too (the input transposed into the workspace as for nhwc, the output written
    straight from the accumulators), for the k x k layers nhwc would take. Same process, ms
    (nhwc_tma / nhwc / F.conv2d), TF32 then bf16: 256->256 3x3 on 8 x 56 x 56 0.170 / 0.198 /
@@ -212,7 +212,7 @@ from typing import Any, Mapping
 
 from .errors import ConvArgumentError, Unsupported
 from .families import get_family
-from .families.nhwc_tma import k_tiles as tma_k_tiles
+from .families.nhwc_tma import k_tiles as tma_k_tiles, short_1x1 as tma_short_1x1
 from .spec import ConvSpec, Problem
 
 CUDA_ORDER = ("depthwise_planes", "depthwise", "depthwise_nhwc", "grouped_nhwc", "stem_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma",
@@ -350,10 +350,10 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         # beat nhwc on short, strided and 1x1 windows too
         if spec.dtype == "float32" and dict(spec.tiles).get("a_regs", 0) == 1:
             return True
-        # (16-bit 1x1 layers whose input channels fill less than one k-tile too: nhwc's k-tile
-        # rows then run mostly empty)
-        narrow = spec.dtype != "float32" and (kh, kw, sh, sw) == (1, 1, 1, 1) and spec.in_channels < 64
-        return (k_tiles >= 4 or narrow) and (spec.dtype != "float32" or kh * kw >= 4 * sh * sw)
+        # (1x1 layers of short reductions too, whose tiles walk: nhwc_tma.short_1x1)
+        if tma_short_1x1(spec):
+            return True
+        return k_tiles >= 4 and (spec.dtype != "float32" or kh * kw >= 4 * sh * sw)
     if name == "nhwc":
         # channels_last calls: always (the NCHW families do not take them). NCHW calls: the 1x1
         # table's pick; else dense layers with output planes of at most 32 x 32, where the

@@ -17,7 +17,7 @@ import pytest
 from kernelgen import dispatch
 from kernelgen.errors import ConvArgumentError
 from kernelgen.families import get_family
-from kernelgen.families.nhwc_tma import SM_SMEM, SMEM_LIMIT, reg_cap
+from kernelgen.families.nhwc_tma import SHORT_1X1_K_TILES, SM_SMEM, SMEM_LIMIT, k_tiles, reg_cap, short_1x1
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
@@ -46,7 +46,7 @@ L4 = dict(x=(32, 512, 7, 7), w=(512, 512, 3, 3), padding=1)  # ResNet-50's last 
     (VGG64, "nhwc_tma", "nhwc_tma"), (VGG256, "nhwc_tma", "nhwc_tma"),
     # TF32 past 64 output channels on a_regs tiles (no rounded copy), strided and short windows too
     (S2, "nhwc_tma", "nhwc_tma"),
-    (PW, "nhwc_tma", "nhwc"),  # 16-bit: a reduction under 4 k-tiles
+    (PW, "nhwc_tma", "nhwc_tma"),  # 16-bit: one k-tile (short_1x1: tiles that walk)
     (DOWN, "nhwc_tma", "nhwc_tma"),
 ])
 def test_hopper_takes_it_for_long_reductions(layer, tf32, bf16):
@@ -58,17 +58,42 @@ def test_hopper_takes_it_for_long_reductions(layer, tf32, bf16):
     assert _choose(**layer, dtype="bfloat16", arch="sm_90").family == "nhwc"  # wgmma needs the 'a' target
 
 
-def test_narrow_16bit_1x1_layers_take_it():
-    # one partial k-tile of input channels: nhwc runs it mostly empty (dispatch.py, item 3)
-    for x, w in (((32, 24, 56, 56), (144, 24, 1, 1)), ((32, 16, 112, 112), (96, 16, 1, 1))):
-        assert _choose(x, w, dtype="bfloat16").family == "nhwc_tma"
-        assert _choose(x, w, dtype="float16").family == "nhwc_tma"
-        assert dict(_choose(x, w).tiles)["a_regs"] == 1  # TF32: on a_regs tiles (past 64 output channels)
-        assert _choose(x, w, dtype="bfloat16", stride=2).family == "nhwc"
-    assert _choose((32, 64, 56, 56), (64, 64, 1, 1), dtype="bfloat16").family == "nhwc"
-    # TF32 1x1 into 64 or fewer: nhwc (the rounding warps cost more there, and a_regs tiles lost)
-    assert _choose((32, 64, 56, 56), (64, 64, 1, 1)).family == "nhwc"
-    assert _choose((32, 144, 56, 56), (24, 144, 1, 1)).family == "nhwc"  # a whole k-tile
+def _walk(spec) -> tuple:
+    t = dict(spec.tiles)
+    return spec.family, t["persist"], t["block_co"]
+
+
+@pytest.mark.parametrize("x, w, dtype, expect", [
+    # 16-bit: every short reduction walks; 129-256 output channels in one block of 256, 64 or fewer
+    # with the weights resident in two pipelines
+    ((32, 24, 56, 56), (144, 24, 1, 1), "bfloat16", ("nhwc_tma", 1, 256)),
+    ((32, 16, 112, 112), (96, 16, 1, 1), "float16", ("nhwc_tma", 1, 128)),
+    ((32, 64, 56, 56), (256, 64, 1, 1), "bfloat16", ("nhwc_tma", 1, 256)),
+    ((32, 64, 56, 56), (64, 64, 1, 1), "bfloat16", ("nhwc_tma", 1, 64)),
+    ((32, 144, 56, 56), (24, 144, 1, 1), "bfloat16", ("nhwc_tma", 1, 64)),
+    ((32, 128, 28, 28), (128, 128, 1, 1), "bfloat16", ("nhwc_tma", 1, 128)),
+    ((32, 256, 14, 14), (1024, 256, 1, 1), "bfloat16", ("nhwc_tma", 1, 128)),
+    ((32, 320, 7, 7), (1280, 320, 1, 1), "bfloat16", ("nhwc_tma", 1, 128)),  # 5 k-tiles: the most
+    ((32, 512, 28, 28), (128, 512, 1, 1), "bfloat16", ("nhwc_tma", 0, 128)),  # 8: one block a tile
+    # TF32 into 64 or fewer: rounding warps, walking (over 64: a_regs tiles, below)
+    ((32, 64, 56, 56), (64, 64, 1, 1), "float32", ("nhwc_tma", 1, 64)),
+    ((32, 144, 56, 56), (24, 144, 1, 1), "float32", ("nhwc_tma", 1, 64)),  # 5 k-tiles of float32
+    ((32, 192, 28, 28), (64, 192, 1, 1), "float32", ("nhwc", None, None)),  # 6: past short_1x1
+])
+def test_short_1x1_layers_walk_tiles(x, w, dtype, expect):
+    spec = _choose(x, w, dtype=dtype)
+    assert _walk(spec) == expect if expect[0] == "nhwc_tma" else spec.family == expect[0]
+    if expect[0] == "nhwc_tma":
+        assert short_1x1(spec) == (k_tiles(spec) <= SHORT_1X1_K_TILES)
+    # not at stride 2, nor in NCHW (pointwise_tma and the 1x1 table decide those)
+    assert not short_1x1(_choose(x, w, dtype=dtype, stride=2, family="nhwc_tma"))
+    assert not short_1x1(_choose(x, w, dtype=dtype, channels_last=False, family="nhwc_tma"))
+
+
+def test_short_1x1_tf32_layers_past_64_output_channels_keep_a_regs_tiles():
+    for x, w in (((32, 24, 56, 56), (144, 24, 1, 1)), ((32, 64, 56, 56), (256, 64, 1, 1))):
+        t = dict(_choose(x, w).tiles)
+        assert (t["a_regs"], t["persist"], t["block_co"]) == (1, 1, 128)
 
 
 def test_nchw_calls_where_nhwc_would_take_them_with_a_kernel_over_1x1():

@@ -54,12 +54,21 @@ HALO_MIN_Q = 112  # output rows at least this long take halo tiles by default (5
 AREG_FEW_TILES = 66  # a_regs layers of fewer 128-pixel tiles than this take 64-pixel ones (half an H100's SMs)
 SPLIT_FEW_TILES = 66  # other layers of fewer tiles than this split their reduction in two
 SPLIT_MIN_K_TILES = 8  # (where it has this many k-tiles or more, an even number)
+SHORT_1X1_K_TILES = 5  # channels_last 1x1 layers of at most this many k-tiles walk tiles (short_1x1)
 
 
 def k_tiles(spec: "ConvSpec") -> int:
     """The reduction's k-tiles: one a kernel tap and 128 bytes of its input channels."""
     kh, kw = spec.kernel_size
     return kh * kw * -(-spec.in_channels * element_size(spec) // 128)
+
+
+def short_1x1(spec: "ConvSpec") -> bool:
+    """A channels_last 1x1 layer at stride 1 whose reduction is at most SHORT_1X1_K_TILES k-tiles
+    (16-bit: 320 input channels, float32: 160): bound by its movement, which persistent blocks
+    overlap from one tile to the next (default_tiles)."""
+    return (spec.layout == "nhwc" and spec.kernel_size == (1, 1) and spec.stride == (1, 1)
+            and k_tiles(spec) <= SHORT_1X1_K_TILES)
 
 
 def _window(spec: "ConvSpec", bp: int) -> tuple[int, int]:
@@ -265,13 +274,27 @@ class NhwcTmaFamily(Family):
         2048->512 1x1 bf16 channels_last 17.2 / 14.7 / - / 15.6; 11.2. Where it did not pay: 98
         tiles (256->256 3x3 on 32 x 14 x 14, bf16 channels_last 19.5 / 23.4 / 27.4; 17.9, NCHW TF32
         49.0 / 55.9; 45.6) and TF32 channels_last's a_regs tiles (512->512 on 7 x 7 56.7 unsplit,
-        52.9-75.1 split two to four ways in tiles of 64 or 128 pixels; 36.9)."""
+        52.9-75.1 split two to four ways in tiles of 64 or 128 pixels; 36.9).
+
+        short_1x1 layers (channels_last 1x1, stride 1, reductions of up to SHORT_1X1_K_TILES
+        k-tiles) walk tiles (persist), 16-bit ones of 129-256 output channels in one block of 256:
+        a tile's few k-tiles leave a block of its own mostly waiting on its loads and stores.
+        H100, batch 32, same process, stream time of 20 calls, us (one block a tile of 128
+        channels / walking, 128 / walking, 256 or 64; F.conv2d), bf16: 24->144 on 56 x 56 26.5 /
+        22.8 / 19.1; 16.2; 64->256 32.2 / 27.1 / 25.3; 26.1; 256->1024 on 14 x 14 13.1 / 11.0 /
+        13.3; 9.8; 96->96 on 56 x 56 20.6 / 16.4; 12.2; 128->128 on 28 x 28 6.0 / 6.5; 5.9; 320->1280
+        on 7 x 7 6.3 / 6.1 / 8.2; 5.7; 64->64 (64 channels: resident weights, two pipelines; nhwc
+        before) 10.6 / 6.9; 7.8; 144->24 18.7 / 13.2; 10.3; TF32 (rounding warps) 64->64 27.3 /
+        23.0; 20.0; 144->24 38.9 / 33.0; 30.7. Longer reductions keep one block a tile (512->128
+        on 28 x 28: 10.7 / 12.1; 10.3)."""
         if problem.arch != "sm_90a":
             raise Unsupported(f"nhwc_tma: the TMA's im2col mode and wgmma need sm_90a (target {problem.arch or 'unknown'})")
         fixed = dict(fixed or {})
-        bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
         tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
         wide_cl = spec.dtype != "float32" and spec.layout == "nhwc"
+        short = short_1x1(spec)
+        bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else
+                        256 if short and wide_cl and 128 < spec.out_channels <= 256 else 128)
         rounders = 4 if tf32_cl and bco == 64 and not fixed.get("a_regs", 0) else 0
         base = {"block_co": bco, "block_p": 128, "wgn": 1, "round_smem": rounders}
         # channels_last rows of HALO_MIN_Q pixels or more, stride 1, 64 output channels: halo tiles
@@ -289,7 +312,7 @@ class NhwcTmaFamily(Family):
         # 16-bit channels_last tiles of 64 output channels: resident weights in two pipelines, else
         # in one, else persistent blocks that load the weights' box a k-tile
         walks += ([{"persist": 1, "wres": 1, "pipes": 2}, {"persist": 1, "wres": 1}, {"persist": 1}]
-                  if wide_cl and bco == 64 else [{"a_regs": 0}])
+                  if wide_cl and bco == 64 else [{"a_regs": 0, "persist": 1}] if short else [{"a_regs": 0}])
         def depths(cand_base: dict) -> tuple[tuple[int, int], ...]:
             if cand_base.get("halo"):  # window slots: TF32's 2 measured ahead of 3, 16-bit's 3 of 2
                 return ((1, 2), (1, 3)) if tf32_cl else ((1, 3), (1, 2))
