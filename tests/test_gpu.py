@@ -1353,6 +1353,11 @@ MEMCHECK = textwrap.dedent("""
                    tiles={{"a_regs": 1, "block_p": 64}})
             run_cl(dtype, (2, 32, 12, 70), (64, 32, 3, 3), 0, family="nhwc_tma", padding=1,
                    tiles={{**halo, "a_regs": 1, "block_p": 64}})
+            # short 1x1 layers' default tiles (short_1x1): walking blocks of 256 output channels
+            # (16-bit; TF32 on a_regs), 144 of them, a last pixel tile of a few pixels; 64 outputs
+            # (16-bit resident weights, TF32 rounding warps)
+            run_cl(dtype, (3, 24, 11, 13), (144, 24, 1, 1), 0, family="nhwc_tma")
+            run_cl(dtype, (3, 144, 11, 13), (24, 144, 1, 1), 0, family="nhwc_tma")
             # split reductions: the partial sums' workspace past the input's copy, a last pixel tile
             # of a few pixels, output channels past the last block; both orientations, NCHW
             run_cl(dtype, (3, 64, 7, 9), (136, 64, 3, 3), 0, family="nhwc_tma", padding=1, tiles={{"splits": 3}})
