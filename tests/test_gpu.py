@@ -844,13 +844,14 @@ def make_depthwise_nhwc_cases(n: int, seed: int = 6530) -> list[Case]:
     return cases
 
 
-def make_depthwise_cases(n: int, seed: int = 6570) -> list[Case]:
-    """NCHW depthwise calls forced onto `depthwise` with tiles narrower than a warp (8 or 16
-    columns, the small-plane tiles: lanes of one warp on several rows) and some wider: every
-    dtype, channel multipliers, kernel shapes, strides, dilations and paddings, planes from
-    1 x 1 to 30 x 30, on contiguous inputs and strided views (the element-wise window path)."""
+def _nchw_depthwise_cases(family: str, n: int, seed: int, first_idx: int, side: int,
+                          narrow: Mapping | None = None) -> list[Case]:
+    """NCHW depthwise calls forced onto `family` with random tiles (three in four drawn from
+    `narrow`'s values where given): every dtype, channel multipliers, kernel shapes, strides,
+    dilations and paddings, planes from 1 x 1 to side x side, on contiguous inputs and strided
+    views."""
     rng = random.Random(seed)
-    fam = get_family("depthwise")
+    fam = get_family(family)
     cases = []
     for idx in range(n):
         dtype = rng.choice(["float32", "float32", "bfloat16", "float16", "float64"])
@@ -861,42 +862,29 @@ def make_depthwise_cases(n: int, seed: int = 6570) -> list[Case]:
         dilation = rng.choice([(1, 1), (1, 1), (2, 2)])
         padding = rng.choice([0, 1, (1, 2)] + (["same"] if stride == (1, 1) else []))
         eh, ew = _extent(kernel, dilation)
-        H, W = max(rng.randint(1, 30), eh), max(rng.randint(1, 30), ew)
-        narrow = {**fam.tiles, "block_q": (8, 16)} if idx % 4 else None
+        H, W = max(rng.randint(1, side), eh), max(rng.randint(1, side), ew)
+        values = {**fam.tiles, **narrow} if narrow and idx % 4 else None
         tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
-            C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nchw", "ieee", "depthwise",
-            tuple(pick.items())), narrow)
-        cases.append(Case(6500 + idx, rng.choice([1, 2, 3]), C, C * mult, C, kernel, stride, padding, dilation,
+            C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nchw", "ieee", family,
+            tuple(pick.items())), values)
+        cases.append(Case(first_idx + idx, rng.choice([1, 2, 3]), C, C * mult, C, kernel, stride, padding, dilation,
                           rng.random() < 0.5, dtype, None, rng.choice(["contiguous"] * 3 + ["strided_view"]), H, W,
-                          "depthwise", tiles))
+                          family, tiles))
     return cases
+
+
+def make_depthwise_cases(n: int, seed: int = 6570) -> list[Case]:
+    """`depthwise` with tiles narrower than a warp (8 or 16 columns, the small-plane tiles: lanes
+    of one warp on several rows) and some wider, on planes up to 30 x 30 (strided views take the
+    element-wise window path)."""
+    return _nchw_depthwise_cases("depthwise", n, seed, 6500, 30, {"block_q": (8, 16)})
 
 
 def make_depthwise_planes_cases(n: int, seed: int = 6590) -> list[Case]:
-    """NCHW depthwise calls forced onto `depthwise_planes` (whole planes a block) with random
-    tiles: every dtype, channel multipliers, kernel shapes, strides, dilations and paddings, planes
-    from 1 x 1 to 20 x 20, planes a block that do not divide the batch's, on contiguous inputs
-    (the 16-byte run, from any plane's start) and strided views (element loads)."""
-    rng = random.Random(seed)
-    fam = get_family("depthwise_planes")
-    cases = []
-    for idx in range(n):
-        dtype = rng.choice(["float32", "float32", "bfloat16", "float16", "float64"])
-        C = rng.choice([1, 3, 8, 16, 24])
-        mult = rng.choice([1, 1, 2, 3])
-        kernel = rng.choice([(3, 3), (3, 3), (5, 5), (3, 1), (1, 3), (2, 4)])
-        stride = rng.choice([(1, 1), (1, 1), (2, 2), (1, 2)])
-        dilation = rng.choice([(1, 1), (1, 1), (2, 2)])
-        padding = rng.choice([0, 1, (1, 2)] + (["same"] if stride == (1, 1) else []))
-        eh, ew = _extent(kernel, dilation)
-        H, W = max(rng.randint(1, 20), eh), max(rng.randint(1, 20), ew)
-        tiles = tuner_tiles(rng, fam, lambda pick: ConvSpec(
-            C, C * mult, kernel, stride, 0, dilation, C, dtype, "cuda", False, "nchw", "ieee", "depthwise_planes",
-            tuple(pick.items())))
-        cases.append(Case(6590 + idx, rng.choice([1, 2, 3]), C, C * mult, C, kernel, stride, padding, dilation,
-                          rng.random() < 0.5, dtype, None, rng.choice(["contiguous"] * 3 + ["strided_view"]), H, W,
-                          "depthwise_planes", tiles))
-    return cases
+    """`depthwise_planes` (whole planes a block) on planes up to 20 x 20: planes a block that do
+    not divide the batch's, runs from any plane's start on contiguous inputs (16-byte copies),
+    element loads on strided views."""
+    return _nchw_depthwise_cases("depthwise_planes", n, seed, 6590, 20)
 
 
 def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
