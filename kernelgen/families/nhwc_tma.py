@@ -292,7 +292,8 @@ class NhwcTmaFamily(Family):
         fixed = dict(fixed or {})
         tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
         wide_cl = spec.dtype != "float32" and spec.layout == "nhwc"
-        short = short_1x1(spec)
+        # (forced a_regs tiles keep one block a tile: 16-bit ones that walk spill at 168 registers)
+        short = short_1x1(spec) and fixed.get("a_regs", 0) == 0
         bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else
                         256 if short and wide_cl and 128 < spec.out_channels <= 256 else 128)
         rounders = 4 if tf32_cl and bco == 64 and not fixed.get("a_regs", 0) else 0
@@ -327,6 +328,8 @@ class NhwcTmaFamily(Family):
         bases = [{**base, **walk, **fixed} for walk in walks]
         if bases[0].get("splits", 1) > 1:  # a split reduction runs one block a tile, a k-tile a slot
             bases = [{**b, "persist": 0, "halo": 0, "wres": 0, "pipes": 1, **fixed} for b in bases]
+        if bco == 256 and "block_co" not in fixed:  # where forced tiles leave no room for 256: 128
+            bases += [{**b, "block_co": 128} for b in bases]
         return first_fit(lambda c: self.check_tiles(spec, c), [(b, depths(b)) for b in bases], fixed)
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
