@@ -30,6 +30,9 @@ class Call:
     P: int
     Q: int
     channels_last: bool  # the output's memory format, as F.conv2d chooses it
+    # (sh, sw): the kernel computes the stride-1 layer of the view input[..., ::sh, ::sw], whose
+    # sizes H and W are (dispatch.sampled_1x1); None: the input as it is
+    sample: tuple[int, int] | None = None
 
 
 def _size(t: torch.Tensor) -> list[int]:

@@ -191,6 +191,19 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    in channels_last, strided layouts the fast families do not take). It honours arbitrary strides,
    so it never copies.
 
+Sampled 1x1 layers (CUDA, NCHW, before the list above): a 1x1 layer of one group, no padding
+and a stride reads only every sh-th row and sw-th column of its input, so kernelgen computes it as
+the stride-1 layer of the view input[..., ::sh, ::sw] (sampled_1x1). The families above then see a
+plane of the output's size: pointwise_tma takes TF32 and 16-bit (through a dense copy of the view,
+a quarter of the input at stride 2), nhwc transposes only the pixels it reads. Channels_last calls
+keep their strided kernels (nhwc_tma's im2col steps over the pixels it skips; on the view the
+NCHW families served them at 2-4x the time). H100, batch 32, same process, stream time of 20
+calls, us (on the input with stride 2 / on the view / F.conv2d): ResNet-50's 256->512 from 56 x
+56 TF32 139.1 (nhwc) / 82.0 (pointwise_tma) / 132.2, strict 258.2 / 237.1 / 171.9, bf16 104.4 /
+51.9 / 95.4; 512->1024 from 28 x 28 TF32 98.7 / 76.1 / 85.3, strict 210.6 / 207.9 / 211.4, bf16
+71.3 / 66.0 / 59.1; 1024->2048 from 14 x 14 TF32 86.6 / 87.1 / 60.9, strict 236.6 / 239.5 /
+204.0, bf16 48.9 / 43.0 / 42.2. Forced families (`family=`) run the call as it is.
+
 Layout: the output's memory format follows F.conv2d (channels_last if the input or
 the weight is). Families take 'nchw', 'nhwc' or 'any'; a family that needs a dense
 layout gets the input made contiguous in it (one copy when it is not already) and
@@ -279,6 +292,16 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
     if family is not None:
         raise ConvArgumentError(f"family {family!r} cannot serve this convolution: {'; '.join(reasons)}")
     raise ConvArgumentError(f"no kernel family serves this convolution on {device}: {'; '.join(reasons)}")
+
+
+def sampled_1x1(spec: ConvSpec, device: str, channels_last: bool) -> tuple[int, int] | None:
+    """(sh, sw) where the call is computed as the stride-1 layer of input[..., ::sh, ::sw]
+    (module docstring, "Sampled 1x1 layers"): CUDA, NCHW, one group, a 1x1 kernel, no padding
+    and a stride other than 1. `spec`: the call's validated parameters. Else None."""
+    if (device != "cuda" or channels_last or spec.groups != 1 or spec.kernel_size != (1, 1)
+            or any(spec.padding) or spec.stride == (1, 1)):
+        return None
+    return spec.stride
 
 
 def _nchw_wide(spec: ConvSpec) -> bool:

@@ -10,6 +10,7 @@ a later process skips validation and dispatch and imports its kernel directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -41,9 +42,9 @@ class Plan:
     pointers and the stream, and launches.
     """
 
-    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_asis", "b_contig", "args", "key", "ws")
+    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_asis", "b_contig", "args", "key", "ws", "sample")
 
-    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_asis, b_contig, args, key, ws=0):
+    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_asis, b_contig, args, key, ws=0, sample=None):
         self.launch = launch  # None: nothing to compute (an empty batch, or meta tensors)
         self.out_shape = out_shape  # 4-D
         self.fmt = fmt
@@ -54,6 +55,7 @@ class Plan:
         self.args = args  # N, H, W, P, Q, input, output and weight strides, device index
         self.key = key
         self.ws = ws  # bytes of device scratch the kernel takes, allocated per call on its stream
+        self.sample = sample  # (sh, sw): the kernel reads the view input[..., ::sh, ::sw] (Call.sample)
 
 
 _plans: dict[Any, Plan] = {}
@@ -166,6 +168,13 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
     call = checks.check_call(input, weight, probe, device)
     if call.N == 0 or device == "meta":
         return None, call
+    sample = dispatch.sampled_1x1(probe, device, call.channels_last) if family is None else None
+    if sample is not None:  # the stride-1 layer of the pixels the strided one reads (a view, no copy)
+        view = input[..., ::sample[0], ::sample[1]]
+        spec, vcall = spec_for(view, weight, bias, 1, 0, dilation, groups, device=device, precision=precision,
+                               tiles=tiles)
+        if vcall.channels_last == call.channels_last:  # (a degenerate view could look channels_last)
+            return spec, dataclasses.replace(vcall, sample=sample)
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
     problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, arch=_target_arch(input, device))
     return dispatch.choose(params, device, problem, call.channels_last, math, family=family, tiles=tiles), call
@@ -211,9 +220,8 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
                 pass
     spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                           family=family, tiles=tiles)
-    call_fields = [call.unbatched, call.N, call.K, call.P, call.Q, call.H, call.W, call.channels_last]
     if spec is None:
-        return _plan(None, None, call_fields, "any", input, weight, bias)
+        return _plan(None, None, _call_fields(call), "any", input, weight, bias)
     from .errors import CompileError
     from .toolchain import current
 
@@ -230,16 +238,22 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
                     spec.family, spec.summary(), exc_info=True)
         count("fallbacks")
         fell_back = True
-        spec, _ = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
-                           family="direct")
+        spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
+                              family="direct")
         launch, key = load_kernel(spec, toolchain)
     cache = _default_cache()
     prep = _prep_name(spec)
+    call_fields = _call_fields(call)
     # No record after a fallback: each process should try (and report) the fast family again.
     if record_name is not None and cache.writable and not fell_back:
         plans.write(cache.root, record_name,
                     {"key": key, "call": call_fields, "prep": prep, "summary": spec.summary()})
     return _plan(launch, key, call_fields, prep, input, weight, bias)
+
+
+def _call_fields(call: "Call") -> list:
+    """What a plan (and its record on disk) keeps of a validated call."""
+    return [call.unbatched, call.N, call.K, call.P, call.Q, call.H, call.W, call.channels_last, call.sample]
 
 
 def _prep_name(spec: "ConvSpec") -> str:
@@ -319,23 +333,28 @@ def _weight_strides(weight: torch.Tensor) -> tuple[bool, tuple[int, ...]]:
 
 def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     """Precompute a plan's launch arguments from the call's sizes and the tensors' strides."""
-    unbatched, N, K, P, Q, H, W, channels_last = call_fields
+    unbatched, N, K, P, Q, H, W, channels_last, sample = call_fields
     fmt = _CL if channels_last else _CF
     prep = _PREP[layout]
     if launch is None:
         return Plan(None, (N, K, P, Q), fmt, unbatched, prep, True, True, (), key)
+    if sample:  # (a record on disk holds it as a list)
+        sample = (int(sample[0]), int(sample[1]))
+        input = input[..., ::sample[0], ::sample[1]]
     xs = _input_strides(input, unbatched, prep)
     ys = (_channels_last_strides if channels_last else _contiguous_strides)((N, K, P, Q))
     w_asis, wst = _weight_strides(weight)
     dev = input.device.index if input.is_cuda else -1
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, w_asis,
                 bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, *wst, dev), key,
-                workspace_bytes(key, input.numel(), N * K * P * Q))
+                workspace_bytes(key, input.numel(), N * K * P * Q), sample or None)
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt)
     if plan.launch is not None:
+        if plan.sample is not None:
+            input = input[..., ::plan.sample[0], ::plan.sample[1]]
         prep = plan.prep
         x = input if prep == 0 else input.contiguous(memory_format=_CL) if prep == 2 else input.contiguous()
         if prep == 3 and x.data_ptr() % 16:  # a view between two 16-byte boundaries: a dense copy from one

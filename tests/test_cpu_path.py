@@ -186,3 +186,36 @@ def test_each_spec_compiles_once_per_process(fresh_cache):
     # a different batch size or image size reuses the same kernel
     kernelgen.conv2d(torch.randn(3, 3, 17, 12), w)
     assert kernelgen.stats()["compiles"] == before + 1
+
+
+SAMPLED = [
+    # (N, C, H, W), K, stride: even and odd planes, unequal strides, a stride past the plane
+    ((2, 8, 14, 14), 6, 2), ((2, 8, 15, 13), 6, (2, 3)), ((1, 4, 9, 11), 5, (3, 1)), ((2, 4, 5, 4), 3, (1, 7)),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("xshape,K,stride", SAMPLED)
+def test_sampled_1x1_view_matches_f_conv2d(xshape, K, stride, bias, fresh_cache, monkeypatch):
+    """The plan machinery of dispatch.sampled_1x1 (CUDA only) run through the CPU family: the
+    rule widened to every device, the call computed on input[..., ::sh, ::sw] at stride 1,
+    first through the full path, then through the plan record on disk, on dense, strided and
+    unbatched inputs."""
+    from kernelgen import dispatch, functional
+
+    real = dispatch.sampled_1x1
+    monkeypatch.setattr(dispatch, "sampled_1x1", lambda spec, device, cl: real(spec, "cuda", cl))
+    torch.manual_seed(0)
+    x = torch.randn(*xshape)
+    w = torch.randn(K, xshape[1], 1, 1)
+    b = torch.randn(K) if bias else None
+    spec, call = functional.spec_for(x, w, b, stride=stride)
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    assert spec.stride == (1, 1) and call.sample == (sh, sw) and (call.H, call.W) == (call.P, call.Q)
+    wide = torch.randn(xshape[0], xshape[1], xshape[2], xshape[3] + 3)[..., 1:xshape[3] + 1]  # a strided view
+    for inp in (x, wide, x[0]):
+        ref = reference(inp, w, b, stride=stride)
+        for _ in range(2):  # the full path, then (plans forgotten) the record on disk
+            y = kernelgen.conv2d(inp, w, b, stride=stride)
+            assert y.shape == ref.shape and rel_err(y, ref) < 1e-6
+            functional.clear_plans()

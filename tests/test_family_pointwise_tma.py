@@ -157,3 +157,31 @@ def test_a_forced_ring_outside_the_defaults_is_tried():
     t = dict(_choose(**L1, family="pointwise_tma", tiles={"block_co": 64, "block_p": 64, "min_blocks": 2,
                                                           "stages": 5}).tiles)
     assert (t["min_blocks"], t["stages"]) == (2, 5)
+
+
+def test_strided_nchw_1x1_layers_run_on_their_sampled_view():
+    """dispatch.sampled_1x1: an NCHW 1x1 layer with a stride and no padding is planned as the
+    stride-1 layer of input[..., ::sh, ::sw] on CUDA; padding, groups, channels_last, a forced
+    family and the CPU keep the call as it is."""
+    import torch
+
+    from kernelgen.functional import spec_for
+
+    x = torch.empty(32, 256, 56, 56, device="meta")
+    w = torch.empty(512, 256, 1, 1, device="meta")
+    spec, call = spec_for(x, w, None, stride=2, device="cuda")
+    assert spec.stride == (1, 1) and call.sample == (2, 2)
+    assert (call.H, call.W, call.P, call.Q) == (28, 28, 28, 28)
+    spec, call = spec_for(x[..., :55], w, torch.empty(512, device="meta"), stride=(2, 3), device="cuda")
+    assert spec.stride == (1, 1) and spec.bias and call.sample == (2, 3) and (call.H, call.W) == (28, 19)
+    spec, call = spec_for(x[0], w, None, stride=2, device="cuda")  # unbatched
+    assert call.unbatched and call.sample == (2, 2) and call.N == 1
+    # (a 1x1 weight in channels_last is contiguous too: F.conv2d's output stays NCHW, and the rule applies)
+    kept = [spec_for(x, w, None, stride=2, padding=1, device="cuda"),
+            spec_for(x.contiguous(memory_format=torch.channels_last), w, None, stride=2, device="cuda"),
+            spec_for(x, torch.empty(512, 128, 1, 1, device="meta"), None, stride=2, groups=2, device="cuda"),
+            spec_for(x, w, None, stride=2, device="cuda", family="nhwc"),
+            spec_for(x, w, None, stride=2, device="cpu"),
+            spec_for(x, torch.empty(512, 256, 3, 3, device="meta"), None, stride=2, device="cuda")]
+    for spec, call in kept:
+        assert spec.stride == (2, 2) and call.sample is None

@@ -807,6 +807,28 @@ def make_pointwise_tma_cases() -> list[Case]:
                  tuple(sorted(t.items()))) for i, (n, c, k, b, dt, prec, lay, h, w, t) in enumerate(rows)]
 
 
+def make_sampled_1x1_cases() -> list[Case]:
+    """NCHW 1x1 layers with a stride and no padding, as the dispatcher plans them: on the view
+    input[..., ::sh, ::sw] at stride 1 (dispatch.sampled_1x1). Every dtype and precision, equal
+    and unequal strides, planes the strides do not divide, views the TMA family copies first
+    (offset, strided), unbatched input, and ResNet's downsample at a small batch."""
+    rows = [  # N, C, K, stride, bias, dtype, precision, layout, H, W
+        (2, 256, 512, (2, 2), True, "float32", "tf32", "contiguous", 56, 56),
+        (2, 256, 128, (2, 2), False, "float32", "ieee", "contiguous", 56, 56),
+        (2, 128, 256, (2, 2), True, "bfloat16", None, "contiguous", 28, 28),
+        (2, 96, 64, (2, 3), True, "float16", None, "contiguous", 33, 47),
+        (1, 128, 64, (3, 3), False, "float32", None, "strided_view", 40, 40),
+        (2, 128, 128, (2, 2), True, "float32", "tf32", "offset", 32, 48),
+        (0, 64, 96, (2, 2), True, "bfloat16", None, "contiguous", 20, 36),
+        (3, 32, 48, (1, 2), False, "float32", "tf32", "contiguous", 17, 30),
+        (2, 512, 256, (2, 2), False, "bfloat16", None, "offset", 28, 28),
+        (2, 16, 24, (4, 4), True, "float32", "ieee", "contiguous", 23, 19),
+        (2, 8, 16, (2, 2), True, "float64", None, "contiguous", 9, 9),
+    ]
+    return [Case(7300 + i, n, c, k, 1, (1, 1), st, 0, (1, 1), b, dt, prec, lay, h, w, None)
+            for i, (n, c, k, st, b, dt, prec, lay, h, w) in enumerate(rows)]
+
+
 def make_nhwc_nchw_cases(n: int, seed: int = 6471) -> list[Case]:
     """NCHW calls forced onto the `nhwc` family (its input transposed into the workspace, its
     output written in NCHW): make_nhwc_cases' shapes from another seed, on contiguous inputs and
@@ -1015,7 +1037,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
-         make_depthwise_planes_cases(24) +
+         make_depthwise_planes_cases(24) + make_sampled_1x1_cases() +
          make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_stem_nhwc_cases(48) +
          make_weight_layout_cases(HOPPER))
 
