@@ -433,6 +433,8 @@ def test_lowers_to_wgmma_fed_by_tma_im2col_without_spills(layer, dtype, bias, ti
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity" in text and "mma.sync" not in text and "cp.async.cg" not in text
     assert ("cvt.rna.tf32.f32" in text) == (dtype == "float32")
+    # a_regs TF32 fragments: the two-instruction rounding that leaves the bits wgmma ignores
+    assert bool(re.search(r"@p add\.u32 (%r\d+), \1, 0x1000;", text)) == (dtype == "float32" and areg)
     # the main kernel, the weight repack (and, over 1x1, the one that reads NCHW's dense weights
     # through shared memory), the strided copy, the dense rounding copy, (NCHW) the transpose and
     # (split reductions) the sum of the splits; NCHW tiles leave straight from the accumulators,
