@@ -66,10 +66,14 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    512->128 on 32 x 28 x 28 0.073 / 0.083 / 0.066 and 0.037 / 0.069 / 0.030; 1024->256 on 8 x 64 x
    64 0.115 / 0.234 / 0.132 and 0.072 / 0.185 (nhwc) / 0.060; 1024->1024 0.301 / 0.651 (nhwc) /
    0.258 and 0.175 / 0.372 / 0.134; 256->1024 on 32 x 14 x 14 TF32 0.061 / 0.072 (nhwc) / 0.056.
-   64 input channels stay on pointwise (bf16 64->64 on 32 x 56 x 56 0.056 / 0.043, 64->256 0.057
-   / 0.059 and TF32 0.085 / 0.094: even or apart by a run's noise; case 87 TF32 4.85 / 4.83, bf16
-   2.55 / 2.41), as do fewer (24->144 bf16 0.065 / 0.052) and outputs under a wgmma N (144->24
-   TF32 0.068 / 0.060).
+   Shorter reductions go there only on output planes under POINTWISE_LARGE_PLANE (4096 pixels),
+   where pointwise's 16-warp tiles do not apply, and only where their channels fill at least
+   three quarters of the first k-tile of 128 bytes (24 float32 channels, 48 16-bit). H100, batch
+   32, same process, stream time of 20 calls, us (pointwise_tma / pointwise / F.conv2d): 64->64 on
+   56 x 56 TF32 22.8 / 22.9 / 23.4, bf16 7.9 / 11.5 / 8.3; 64->256 TF32 57.1 / 70.3 / 54.8, bf16
+   27.8 / 36.8 / 26.7; 24->144 TF32 33.4 / 47.3 / 32.9, but bf16 (three eighths of a k-tile) 30.2
+   / 26.2 / 48.4. Case 87's planes stay on pointwise (TF32 4.85 / 4.83 ms, bf16 2.55 / 2.41), as do
+   outputs under a wgmma N (144->24 TF32 0.068 / 0.060 ms; stream 31.9 / 31.7 us).
 3. nhwc_tma (sm_90a): dense channels_last layers in TF32 and 16-bit whose reduction is 4
    k-tiles (of 128 bytes of one tap's channels) or more, and in TF32 only where the tap windows
    read each input element 4 times or more (kh*kw >= 4*sh*sw), since TF32 pays a rounded copy of
@@ -233,6 +237,9 @@ CUDA_ORDER = ("depthwise_planes", "depthwise", "depthwise_nhwc", "grouped_nhwc",
 CPU_ORDER = ("cpu_direct",)
 # NCHW depthwise planes up to this many elements go to depthwise_planes (module docstring, item 1).
 SMALL_PLANE = 256
+# NCHW 1x1 reductions under 96 channels take pointwise_tma only on output planes smaller than this
+# (item 2): from here pointwise's 16-warp tiles run them (case 87).
+POINTWISE_LARGE_PLANE = 4096
 
 
 def _available(names: tuple[str, ...]) -> list[str]:
@@ -359,8 +366,14 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         return spec.in_channels <= 4 or spec.in_channels % vec != 0 or (spec.dtype != "float32" and kh * kw >= 49)
     if name == "depthwise_planes":  # input planes of at most SMALL_PLANE elements
         return problem.H * problem.W <= SMALL_PLANE
-    if name == "pointwise_tma":  # reductions of 96 channels or more into at least one whole wgmma N
-        return spec.in_channels >= 96 and spec.out_channels >= 64
+    if name == "pointwise_tma":  # into at least one whole wgmma N: reductions of 96 channels or more,
+        # or (planes under POINTWISE_LARGE_PLANE) of at least three quarters of a 128-byte k-tile
+        if spec.out_channels < 64:
+            return False
+        if spec.in_channels >= 96:
+            return True
+        esize = 4 if spec.dtype == "float32" else 2
+        return problem.P * problem.Q < POINTWISE_LARGE_PLANE and spec.in_channels * esize >= 96
     if name == "nhwc_tma":
         (sh, sw), k_tiles = spec.stride, tma_k_tiles(spec)
         if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)

@@ -54,16 +54,33 @@ def test_hopper_takes_nchw_1x1_reductions_from_96_channels(layer):
 
 
 @pytest.mark.parametrize("layer", [
-    C87,  # 64 input channels: pointwise's mma.sync measured ahead or even
-    dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1)),
-    dict(x=(32, 144, 56, 56), w=(24, 144, 1, 1)), dict(x=(32, 24, 56, 56), w=(144, 24, 1, 1)),
-    dict(x=(8, 256, 512, 512), w=(32, 256, 1, 1)),  # under one wgmma N of outputs
+    C87,  # 64 input channels on large planes: pointwise's 16-warp tiles measured ahead or even
+    dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)),  # (4096 pixels: dispatch.POINTWISE_LARGE_PLANE)
+    dict(x=(32, 144, 56, 56), w=(24, 144, 1, 1)),  # under one wgmma N of outputs
+    dict(x=(8, 256, 512, 512), w=(32, 256, 1, 1)),
+    dict(x=(32, 16, 56, 56), w=(144, 16, 1, 1)),  # half a k-tile of float32 channels
 ])
 def test_short_reductions_and_narrow_outputs_stay(layer):
     for dtype in ("float32", "bfloat16"):
         assert _choose(**layer, dtype=dtype).family != "pointwise_tma"
     # ... though the family serves them when asked
     assert _choose(**layer, family="pointwise_tma").family == "pointwise_tma"
+
+
+@pytest.mark.parametrize("layer,tf32,bf16", [
+    (dict(x=(32, 64, 56, 56), w=(64, 64, 1, 1)), True, True),
+    (dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1)), True, True),
+    (dict(x=(8, 48, 63, 64), w=(64, 48, 1, 1)), True, True),  # 4032 pixels; 48 16-bit channels: 3/4 k-tile
+    (dict(x=(32, 24, 56, 56), w=(144, 24, 1, 1)), True, False),  # 16-bit: 3/8 of a k-tile
+    (dict(x=(32, 32, 56, 56), w=(144, 32, 1, 1)), True, False),
+])
+def test_short_reductions_on_small_planes(layer, tf32, bf16):
+    # dispatch.py, item 2: reductions under 96 channels on planes under 4096 pixels, their first
+    # 128-byte k-tile at least three quarters full
+    assert (_choose(**layer).family == "pointwise_tma") == tf32
+    assert (_choose(**layer, dtype="bfloat16").family == "pointwise_tma") == bf16
+    assert (_choose(**layer, dtype="float16").family == "pointwise_tma") == bf16
+    assert _choose(**layer, math="ieee").family != "pointwise_tma"
 
 
 def test_refusals_name_the_reason():
