@@ -30,8 +30,8 @@ class Call:
     P: int
     Q: int
     channels_last: bool  # the output's memory format, as F.conv2d chooses it
-    # (sh, sw): the kernel computes the stride-1 layer of the view input[..., ::sh, ::sw], whose
-    # sizes H and W are (dispatch.sampled_1x1); None: the input as it is
+    # (sh, sw): the kernel computes the stride-1 layer of the view input[..., ::sh, ::sw], and H
+    # and W are the view's (dispatch.sampled_1x1); None: the kernel reads the input as it is
     sample: tuple[int, int] | None = None
 
 
