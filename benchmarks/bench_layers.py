@@ -180,16 +180,15 @@ def _stream_once(fn, calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def stream_ms(*fns, calls: int = 20, reps: int = 5):
-    """Median per-call time of `calls` back-to-back calls, queued behind a GPU sleep so that the
-    host is never what the GPU waits for. Several functions take turns rep by rep, so that what
-    disturbs the machine for a while falls on each of them; one function gives one time."""
+def stream_ms(*fns, calls: int = 20, reps: int = 5) -> list[float]:
+    """Each function's median per-call time of `calls` back-to-back calls, queued behind a GPU
+    sleep so that the host is never what the GPU waits for. The functions take turns rep by rep,
+    so that what disturbs the machine for a while falls on each of them."""
     times = [[] for _ in fns]
     for _ in range(reps):
         for t, fn in zip(times, fns):
             t.append(_stream_once(fn, calls))
-    medians = [statistics.median(t) for t in times]
-    return medians[0] if len(fns) == 1 else medians
+    return [statistics.median(t) for t in times]
 
 
 # A call's stream time is its kernels' time; its latency adds the host's launch work to that. So

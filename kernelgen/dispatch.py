@@ -229,6 +229,7 @@ from typing import Any, Mapping
 
 from .errors import ConvArgumentError, Unsupported
 from .families import get_family
+from .families.base import element_size
 from .families.nhwc_tma import k_tiles as tma_k_tiles, short_1x1 as tma_short_1x1
 from .spec import ConvSpec, Problem
 
@@ -372,8 +373,7 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
             return False
         if spec.in_channels >= 96:
             return True
-        esize = 4 if spec.dtype == "float32" else 2
-        return problem.P * problem.Q < POINTWISE_LARGE_PLANE and spec.in_channels * esize >= 96
+        return problem.P * problem.Q < POINTWISE_LARGE_PLANE and spec.in_channels * element_size(spec) >= 96
     if name == "nhwc_tma":
         (sh, sw), k_tiles = spec.stride, tma_k_tiles(spec)
         if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)

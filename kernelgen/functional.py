@@ -347,7 +347,7 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     dev = input.device.index if input.is_cuda else -1
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, w_asis,
                 bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, *wst, dev), key,
-                workspace_bytes(key, input.numel(), N * K * P * Q), sample or None)
+                workspace_bytes(key, input.numel(), N * K * P * Q), sample)
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

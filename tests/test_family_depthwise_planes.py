@@ -20,22 +20,16 @@ from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
 from kernelgen.families.depthwise_planes import RUN_LIMIT, RUN_TARGET, TAPS_LIMIT, TILES, run_bytes, taps_bytes
 from kernelgen.render import render, template_dir
-from kernelgen.spec import ConvSpec, Problem
+from kernelgen.spec import ConvSpec
 from lowering import NVCC, TORCH_DEFINES, lower
+from test_family_depthwise_nhwc import _choose as choose_depthwise, _params
 
 FAM = get_family("depthwise_planes")
 
 
-def _params(c, mult=1, kernel=3, stride=1, padding=1, dilation=1, dtype="float32", bias=False):
-    return dict(in_channels=c, out_channels=c * mult, kernel_size=kernel, stride=stride, padding=padding,
-                dilation=dilation, groups=c, dtype=dtype, bias=bias)
-
-
-def _choose(c, hw, n=32, family=None, tiles=None, channels_last=False, **kw):
-    params = _params(c, **kw)
-    P, Q = ConvSpec(**params).output_size(*hw)
-    problem = Problem(N=n, H=hw[0], W=hw[1], P=P, Q=Q, arch="sm_90a")
-    return dispatch.choose(params, "cuda", problem, channels_last, "ieee", family=family, tiles=tiles)
+def _choose(c, hw, channels_last=False, **kw):
+    """The dispatcher's spec for a depthwise call (test_family_depthwise_nhwc's helper), NCHW by default."""
+    return choose_depthwise(c, hw, channels_last=channels_last, **kw)
 
 
 # -- which calls come here ---------------------------------------------------------------------
