@@ -16,8 +16,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    channels_last input and weights, ms (grouped_nhwc / nhwc or direct, which served these
    before / F.conv2d): ResNeXt-50's 32 groups of 4 on 56 x 56 TF32 0.081 / 0.403 / 0.101, bf16
    0.064 / 0.071 (direct) / 0.064; of 8 on 28 x 28 TF32 0.073 / 0.109 / 0.058, bf16 0.055 /
-   0.107 / 0.044; of 16 on 14 x 14 (nhwc keeps it; 4 x 1 tiles) TF32 0.067 / 0.063 / 0.041, bf16 0.059 /
-   0.053 / 0.032, strict 0.067 (FMAs are exact) / 0.097 (3xTF32) / 0.257.
+   0.107 / 0.044; of 16 on 14 x 14 (grouped_mma's since, below; 4 x 1 tiles) TF32 0.067 / 0.063 /
+   0.041, bf16 0.059 / 0.053 / 0.032, strict 0.067 (FMAs are exact) / 0.097 (3xTF32) / 0.257.
    NCHW grouped layers go there too (the input transposed into the workspace, the output written
    to NCHW), against igemm's thin reduction on tensor cores: up to 8 channels a group, 16 in
    strict float32. H100, batch 32, same process, three rounds (five for the second 28 x 28), ms
@@ -35,6 +35,18 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    planes) / 21.1 / 11.0; 384 on 14 x 14 float32 13.8 (16 planes) / 18.5 / 23.0, bf16 14.4 / 19.1 /
    24.6. On 28 x 28 depthwise wins in float32 (192 channels 23.6 / 17.8; bf16 24.2 / 26.2), and on
    56 x 56 by more (144 channels float32 69.3 / 46.6).
+   grouped_mma: grouped layers of wider groups on tensor cores (a block's window of GB groups
+   staged once, a warp's taps in registers; TF32 and 16-bit): channels_last groups of 16 input
+   channels (bf16's one MMA k-step, TF32's two), and NCHW groups of up to 32 through the input's
+   transpose, where igemm ran them. H100, ResNeXt-50's 32 groups at batch 32, 3x3, same process,
+   stream time of 20 calls, us (grouped_mma / what served them before / F.conv2d): of 16 on
+   14 x 14 channels_last bf16 11.6 / 24.4 (nhwc) / 25.3, TF32 24.0 / 37.1 / 35.8; NCHW bf16 33.5 /
+   51.6 (igemm) / 44.1; of 16 at stride 2 from 28 x 28 channels_last bf16 20.3 / 28.2 / 25.8, TF32
+   47.2 / 46.9 / 43.8, NCHW bf16 64.0 / 74.9 / 68.0, TF32 102.4 / 369.6 / 96.6; of 32 on 7 x 7
+   NCHW bf16 31.7 / 46.0 / 34.6, TF32 46.6 / 73.6 / 41.8, at stride 2 from 14 x 14 bf16 39.6 /
+   75.5 / 43.9, TF32 76.5 / 185.7 / 60.6. Channels_last groups of 32 stay on nhwc (7 x 7 bf16
+   13.5 against 15.9-20.2, TF32 31.0 against 34.2), as do groups of 8 on grouped_nhwc (TF32 on
+   28 x 28 41.7 against 39.5-41.0).
    stem_nhwc: channels_last dense layers of 2-4 input channels (first layers: RGB, RGBA; one is
    depthwise's), and of
    5-8 where nhwc cannot take them (not whole 16-byte chunks: direct served them) or, 16-bit only,
@@ -233,7 +245,7 @@ from .families.base import element_size
 from .families.nhwc_tma import k_tiles as tma_k_tiles, short_1x1 as tma_short_1x1
 from .spec import ConvSpec, Problem
 
-CUDA_ORDER = ("depthwise_planes", "depthwise", "depthwise_nhwc", "grouped_nhwc", "stem_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma",
+CUDA_ORDER = ("depthwise_planes", "depthwise", "depthwise_nhwc", "grouped_nhwc", "grouped_mma", "stem_nhwc", "pointwise_tma", "nhwc_tma", "nhwc", "wgmma",
               "pointwise", "igemm", "direct")
 CPU_ORDER = ("cpu_direct",)
 # NCHW depthwise planes up to this many elements go to depthwise_planes (module docstring, item 1).
@@ -361,6 +373,8 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
         vec = 4 if spec.dtype == "float32" else 8
         return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
                 or (spec.dtype == "float32" and math == "ieee"))
+    if name == "grouped_mma":  # against nhwc: groups of up to 16 input channels; NCHW (against igemm): 32
+        return spec.cin_per_group <= (32 if spec.layout == "nchw" else 16)
     if name == "stem_nhwc":  # (its check: dense, at most 8 input channels) up to 4; 5-8 that nhwc cannot
         # take (not whole 16-byte chunks); 16-bit 7x7 kernels and larger
         vec = 4 if spec.dtype == "float32" else 8

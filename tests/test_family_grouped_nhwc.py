@@ -57,16 +57,17 @@ def test_narrow_groups_in_nchw_come_here_through_the_transpose(dtype):
         for math in ("tf32", "ieee"):
             spec = _choose(32, cin_g, hw, dtype=dtype, math=math, channels_last=False)
             assert spec.family == "grouped_nhwc" and spec.layout == "nchw", (layer, math, spec.family)
+    # (wider groups: grouped_mma's tensor cores, test_family_grouped_mma.py; strict float32 stays)
     cin_g, hw = RX50["l3"]
-    assert _choose(32, cin_g, hw, dtype=dtype, math="tf32", channels_last=False).family == "igemm"
+    assert _choose(32, cin_g, hw, dtype=dtype, math="tf32", channels_last=False).family == "grouped_mma"
     strict = _choose(32, cin_g, hw, dtype=dtype, math="ieee", channels_last=False).family
-    assert strict == ("grouped_nhwc" if dtype == "float32" else "igemm")
+    assert strict == ("grouped_nhwc" if dtype == "float32" else "grouped_mma")
 
 
-def test_sixteen_channels_a_group_stay_on_tensor_cores_but_strict_float32_comes_here():
+def test_sixteen_channels_a_group_go_to_tensor_cores_but_strict_float32_comes_here():
     cin_g, hw = RX50["l3"]
-    assert _choose(32, cin_g, hw, math="tf32").family == "nhwc"
-    assert _choose(32, cin_g, hw, dtype="bfloat16").family == "nhwc"
+    assert _choose(32, cin_g, hw, math="tf32").family == "grouped_mma"
+    assert _choose(32, cin_g, hw, dtype="bfloat16").family == "grouped_mma"
     assert _choose(32, cin_g, hw, math="ieee").family == "grouped_nhwc"  # exact FMAs beat 3xTF32
     # 12 bf16 channels are not whole 16-byte chunks: nhwc cannot take them
     assert _choose(8, 12, (20, 20), cout_g=16, dtype="bfloat16").family == "grouped_nhwc"

@@ -97,8 +97,10 @@ def test_channels_last_layers_go_to_nhwc_and_nchw_ones_on_small_planes(name, dty
 
 
 def test_nchw_calls_keep_their_families_where_grouped_or_large():
-    # grouped (ResNeXt's 32 groups on 14 x 14), a plane just over 32 x 32, and the five cases' planes
-    assert _choose((32, 512, 14, 14), (512, 16, 3, 3), groups=32, padding=1, channels_last=False).family == "igemm"
+    # grouped (ResNeXt's 32 groups on 14 x 14: grouped_mma's; not 64 a group), a plane just
+    # over 32 x 32, and the five cases' planes
+    assert _choose((32, 512, 14, 14), (512, 16, 3, 3), groups=32, padding=1, channels_last=False).family == "grouped_mma"
+    assert _choose((32, 512, 14, 14), (512, 64, 3, 3), groups=8, padding=1, channels_last=False).family != "grouped_mma"
     # (16-bit here: TF32 64 -> 64 k x k layers go to nhwc_tma on rows that are not whole 128-column tiles)
     assert _choose((8, 64, 33, 32), (64, 64, 3, 3), padding=1, dtype="bfloat16", channels_last=False).family == "wgmma"
     assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, dtype="bfloat16",

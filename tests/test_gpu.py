@@ -942,6 +942,58 @@ def make_grouped_nhwc_cases(n: int, seed: int = 6611) -> list[Case]:
     return cases
 
 
+def make_grouped_mma_cases(n: int, seed: int = 7400) -> list[Case]:
+    """Grouped calls forced onto `grouped_mma` (groups of whole MMA k-steps on tensor cores): TF32
+    and 16-bit, 8-48 input channels a group into 8-32 output, every kernel shape whose taps fit
+    the registers, stride, dilation and padding, blocks of groups past the last one, tiles past
+    the last row and column, forced tiles; channels_last inputs (off a 16-byte boundary: the
+    element-wise path) and NCHW ones (contiguous, strided views, weight slices: the transpose).
+    Then hand-picked rows: ResNeXt-50's wider groups at a small batch."""
+    from kernelgen.families.grouped_mma import WREG_LIMIT, tap_registers
+
+    rng = random.Random(seed)
+    fam = get_family("grouped_mma")
+    narrow = {**fam.tiles, "block_p": tuple(range(1, 10)), "block_q": tuple(range(1, 24))}
+    cases = []
+    while len(cases) < n:
+        idx = len(cases)
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16"])
+        groups = rng.choice([2, 3, 4, 8, 32])
+        cin_g = rng.choice([8, 16, 16, 24, 32] if dtype == "float32" else [16, 16, 32, 48])
+        cout_g = rng.choice([8, 16, 16, 24, 32])
+        kernel = rng.choice([(3, 3), (3, 3), (3, 3), (5, 5), (3, 1), (1, 3), (2, 4), (1, 1)])
+        probe = ConvSpec(groups * cin_g, groups * cout_g, kernel, 1, 0, 1, groups, dtype, "cuda", False, "nhwc",
+                         "tf32" if dtype == "float32" else "ieee", "grouped_mma", (("warp_n", 8),))
+        if tap_registers(probe, 8) > WREG_LIMIT:
+            continue
+        stride, dilation, padding = _cl_window(rng)
+        eh, ew = _extent(kernel, dilation)
+        H, W = max(rng.randint(3, 30), eh), max(rng.randint(3, 30), ew)
+        layout = rng.choice(["channels_last"] * 4 + ["cl_offset", "contiguous", "strided_view", "weight_slice"])
+        tiles = ()
+        if idx % 3 == 2:  # a tile choice of the tuner's, where it fits
+            tiles = tuner_tiles(rng, fam, lambda pick: probe.replace(
+                stride=stride, dilation=dilation, layout="nhwc" if "cl" in layout or layout == "channels_last" else "nchw",
+                tiles=tuple(pick.items())), narrow)
+        precision = rng.choice(["tf32", None]) if dtype == "float32" else None
+        batch = rng.choice([0, 1, 2, 3] if layout in ("contiguous", "strided_view", "weight_slice") else [1, 2, 3])
+        cases.append(Case(7400 + idx, batch, groups * cin_g, groups * cout_g, groups, kernel,
+                          stride, padding, dilation, rng.random() < 0.5, dtype, precision, layout, H, W, "grouped_mma",
+                          tiles))
+    rows = [  # N, groups, cin_g, cout_g, stride, dtype, layout, H, W, tiles
+        (2, 32, 16, 16, (1, 1), "bfloat16", "channels_last", 14, 14, ()),
+        (2, 32, 16, 16, (2, 2), "float32", "channels_last", 28, 28, ()),
+        (2, 32, 32, 32, (1, 1), "bfloat16", "channels_last", 7, 7, ()),
+        (2, 32, 32, 32, (1, 1), "float32", "contiguous", 7, 7, ()),
+        (2, 32, 16, 16, (1, 1), "float16", "contiguous", 14, 14, ()),
+        (1, 5, 16, 16, (1, 1), "bfloat16", "channels_last", 9, 11, (("groups_block", 4),)),  # a block of 1 live group
+    ]
+    cases += [Case(7400 + n + i, N, g * ci, g * co, g, (3, 3), st, 1, (1, 1), True, dt,
+                   "tf32" if dt == "float32" else None, lay, h, w, "grouped_mma", t)
+              for i, (N, g, ci, co, st, dt, lay, h, w, t) in enumerate(rows)]
+    return cases
+
+
 def make_groupwise_nchw_cases(n: int, seed: int = 6911) -> list[Case]:
     """NCHW calls forced onto `grouped_nhwc` and `depthwise_nhwc` (the input transposed into the
     workspace, each output channel's pixels of a strip written to its plane as one run where the
@@ -1016,11 +1068,14 @@ def make_weight_layout_cases(hopper: bool) -> list[Case]:
         ("igemm", 16, 32, 2, (3, 3), ["weight_slice"]),
         ("igemm", 256, 64, 1, (3, 3), ["weight_slice"]),  # a long reduction: weights staged per k-step
         ("direct", 8, 12, 2, (3, 2), ["weight_slice", "weight_channels_last"]),
+        ("grouped_mma", 64, 64, 4, (3, 3), ["weight_channels_last", "cl_weight_slice", "weight_slice"]),
     ] + ([("wgmma", 64, 64, 1, (3, 3), ["weight_slice"])] if hopper else [])
     cases = []
     for family, C, K, groups, kernel, layouts in rows:
         for layout in layouts:
             for dtype, precision in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", None)):
+                if family == "grouped_mma" and precision == "ieee":  # (TF32 and 16-bit MMAs only)
+                    continue
                 padding = 0 if kernel == (1, 1) else 1
                 cases.append(Case(6400 + len(cases), 2, C, K, groups, kernel, (1, 1), padding, (1, 1), True, dtype,
                                   precision, layout, 19, 21, family))
@@ -1038,7 +1093,8 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
          make_depthwise_planes_cases(24) + make_sampled_1x1_cases() +
-         make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_stem_nhwc_cases(48) +
+         make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_grouped_mma_cases(48) +
+         make_stem_nhwc_cases(48) +
          make_weight_layout_cases(HOPPER))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
@@ -1416,6 +1472,15 @@ MEMCHECK = textwrap.dedent("""
             # element by element (an offset view's 11)
             run("grouped_nhwc", dtype, (2, 32, 9, 12), (32, 4, 3, 3), view=False, groups=8, padding=1)
             run("grouped_nhwc", dtype, (3, 36, 10, 12), (24, 6, 3, 1), groups=6, stride=(2, 1))
+        if "grouped_mma" in fams:  # the window's 16-byte copies and element loads (offset 1), a
+            # block of groups past the last, tiles past the last row and column, 8-channel warps;
+            # NCHW through the transpose, from an offset view
+            for offset in (0, 1):
+                run_cl(dtype, (2, 80, 9, 11), (80, 16, 3, 3), offset, family="grouped_mma", groups=5, padding=1,
+                       tiles={{"groups_block": 2, "block_p": 4, "block_q": 5}})
+            run_cl(dtype, (3, 64, 10, 7), (128, 32, 3, 1), 0, family="grouped_mma", groups=2, stride=(2, 1),
+                   padding=(1, 0), tiles={{"warp_n": 8, "m_tiles": 1}})
+            run("grouped_mma", dtype, (2, 64, 9, 12), (64, 16, 3, 3), groups=4, padding=1)
         if "depthwise_nhwc" in fams:  # NCHW: the transpose, runs of pixels, element-wise input
             run("depthwise_nhwc", dtype, (2, 24, 9, 12), (48, 1, 3, 3), view=False, groups=24, padding=1)
             run("depthwise_nhwc", dtype, (2, 24, 9, 12), (72, 1, 3, 3), groups=24, padding=1)
@@ -1469,7 +1534,8 @@ MEMCHECK = textwrap.dedent("""
 # The script's families in two parts of about four minutes each on the H100, so that each fits a
 # device call of its own (benchmarks/gpu_all.sh tests-memcheck1, tests-memcheck2).
 MEMCHECK_PARTS = {"part1": ("direct", "nhwc", "nhwc_tma", "pointwise_tma", "stem_nhwc"),
-                  "part2": ("depthwise", "depthwise_planes", "depthwise_nhwc", "grouped_nhwc", "pointwise", "igemm", "wgmma")}
+                  "part2": ("depthwise", "depthwise_planes", "depthwise_nhwc", "grouped_nhwc", "grouped_mma", "pointwise", "igemm",
+                            "wgmma")}
 
 
 def test_memcheck_parts_cover_every_family():

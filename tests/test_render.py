@@ -139,9 +139,14 @@ def _grid(family, n: int, seed: int = 0) -> list[ConvSpec]:
     combos = list(itertools.product(kernels, [1, 2], [1, 2], [0, 1], ["dense", "grouped", "depthwise", "depthwise_m2"],
                                     family.dtypes, [False, True], ["ieee", "tf32"]))
     rng.shuffle(combos)
-    for k, s, d, pad, g, dtype, bias, math in combos:
-        cin = 8
-        groups, cout = {"dense": (1, 16), "grouped": (2, 16), "depthwise": (8, 8), "depthwise_m2": (8, 16)}[g]
+    # then groups of 16 channels (grouped_mma's), after the others so that their grids stay as they were
+    wide = list(itertools.product(kernels, [1, 2], [1, 2], [0, 1], ["grouped16"], family.dtypes, [False, True],
+                                  ["ieee", "tf32"]))
+    rng.shuffle(wide)
+    for k, s, d, pad, g, dtype, bias, math in combos + wide:
+        cin = 32 if g == "grouped16" else 8
+        groups, cout = {"dense": (1, 16), "grouped": (2, 16), "depthwise": (8, 8), "depthwise_m2": (8, 16),
+                        "grouped16": (2, 32)}[g]
         if math == "tf32" and (dtype != "float32" or not family.tf32):
             continue
         try:

@@ -1,0 +1,131 @@
+"""CPU-tier tests of the `grouped_mma` family (grouped layers of 8-64 channels a group on mma.sync):
+no GPU needed.
+
+What they cover: which calls the dispatcher sends to it (ResNeXt's groups of 16 in channels_last,
+groups up to 32 in NCHW) and which it leaves (narrower groups to grouped_nhwc, channels_last
+groups of 32 to nhwc, strict float32), that its refusals name the reason, its default tiles and
+the shared memory they take (the window in whole 128-byte lines), and (with nvcc) that every
+dtype and layout lowers without spilling, its MMAs and ldmatrix in the PTX.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kernelgen import dispatch
+from kernelgen.errors import ConvArgumentError
+from kernelgen.families import get_family
+from kernelgen.families.grouped_mma import WREG_LIMIT, pixel_units, smem_bytes, tap_registers
+from kernelgen.families.base import SMEM_LIMIT
+from kernelgen.spec import ConvSpec, Problem
+from lowering import NVCC, lower
+
+FAM = get_family("grouped_mma")
+
+
+def _choose(groups, cin_g, hw, cout_g=None, n=32, kernel=3, stride=1, dtype="bfloat16", channels_last=True,
+            math="tf32", family=None, tiles=None):
+    cout_g = cin_g if cout_g is None else cout_g
+    params = dict(in_channels=groups * cin_g, out_channels=groups * cout_g, kernel_size=kernel, stride=stride,
+                  padding=kernel // 2, dilation=1, groups=groups, dtype=dtype, bias=True)
+    P, Q = ConvSpec(**params).output_size(*hw)
+    problem = Problem(N=n, H=hw[0], W=hw[1], P=P, Q=Q, arch="sm_90a")
+    return dispatch.choose(params, "cuda", problem, channels_last, math, family=family, tiles=tiles)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_resnext_groups_of_16_come_here_in_both_layouts(dtype):
+    for hw, stride in (((14, 14), 1), ((28, 28), 2)):
+        for channels_last in (True, False):
+            spec = _choose(32, 16, hw, stride=stride, dtype=dtype, channels_last=channels_last)
+            assert spec.family == "grouped_mma", (hw, channels_last)
+            assert spec.layout == ("nhwc" if channels_last else "nchw")
+            assert spec.math == ("tf32" if dtype == "float32" else "ieee")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_groups_of_32_come_here_in_nchw_only(dtype):
+    assert _choose(32, 32, (7, 7), dtype=dtype, channels_last=False).family == "grouped_mma"
+    assert _choose(32, 32, (7, 7), dtype=dtype).family == "nhwc"  # (dispatch.py, item 1)
+    assert _choose(2, 64, (14, 14), dtype=dtype, channels_last=False).family != "grouped_mma"
+
+
+def test_what_stays_elsewhere():
+    assert _choose(32, 8, (28, 28), dtype="float32").family == "grouped_nhwc"  # narrow groups: FMAs
+    assert _choose(32, 16, (14, 14), dtype="float32", math="ieee").family == "grouped_nhwc"  # exact FMAs
+    assert _choose(32, 16, (14, 14), dtype="float32", math="ieee", channels_last=False).family == "grouped_nhwc"
+    assert _choose(1, 64, (14, 14)).family != "grouped_mma"  # dense
+
+
+def test_refusals_name_the_reason():
+    with pytest.raises(ConvArgumentError, match="strict float32 is not served"):
+        _choose(32, 16, (14, 14), dtype="float32", math="ieee", family="grouped_mma")
+    with pytest.raises(ConvArgumentError, match="whole MMA k-steps.*16 for bfloat16.*8 -> 8 a group"):
+        _choose(32, 8, (14, 14), family="grouped_mma")
+    with pytest.raises(ConvArgumentError, match="whole 8s of output channels.*16 -> 12 a group"):
+        _choose(4, 16, (14, 14), cout_g=12, family="grouped_mma")
+    with pytest.raises(ConvArgumentError, match="groups=1"):
+        _choose(1, 16, (14, 14), family="grouped_mma")
+    with pytest.raises(ConvArgumentError, match=f"200 registers a thread, at most {WREG_LIMIT}"):
+        _choose(4, 16, (14, 14), dtype="float32", kernel=5, family="grouped_mma", tiles={"warp_n": 16})
+    with pytest.raises(ConvArgumentError, match="warp_n=32 must divide the 16 output channels"):
+        _choose(4, 16, (14, 14), family="grouped_mma", tiles={"warp_n": 32})
+    with pytest.raises(ConvArgumentError, match="bytes of shared memory"):
+        _choose(4, 32, (64, 64), dtype="float32", family="grouped_mma", tiles={"block_p": 32, "block_q": 64})
+    with pytest.raises(ConvArgumentError, match="threads a block, at most 1024"):
+        _choose(16, 16, (14, 14), cout_g=32, family="grouped_mma", tiles={"groups_block": 16, "warp_n": 8})
+
+
+def test_default_tiles():
+    t = dict(_choose(32, 16, (14, 14)).tiles)  # bf16: four groups fill a 128-byte window pixel
+    assert t == {"block_p": 7, "block_q": 14, "groups_block": 4, "warp_n": 16, "m_tiles": 1, "min_blocks": 0}
+    t = dict(_choose(32, 16, (14, 14), dtype="float32").tiles)
+    assert (t["groups_block"], t["warp_n"]) == (2, 16)
+    t = dict(_choose(32, 32, (7, 7), dtype="float32", channels_last=False).tiles)  # 16 x 32 TF32 taps: 144
+    assert (t["groups_block"], t["warp_n"], t["block_p"], t["block_q"]) == (1, 8, 7, 7)
+    t = dict(_choose(3, 16, (100, 90), cout_g=8).tiles)  # rows cut evenly; groups_block no more than the layer's
+    assert (t["block_q"], t["block_p"], t["groups_block"], t["warp_n"]) == (30, 5, 2, 8)
+    # a window that does not fit halves its rows: 8 rows of 16 pixels, dilated 8, of 64 float32
+    # channels take 233 KB
+    spec = _choose(4, 32, (64, 64), dtype="float32", family="grouped_mma").replace(dilation=(8, 8))
+    problem = Problem(N=1, H=64, W=64, P=64, Q=64, arch="sm_90a")
+    t = FAM.default_tiles(spec, problem, fixed={"block_q": 16, "groups_block": 2})
+    assert t["block_p"] == 4 and smem_bytes(spec, t) <= SMEM_LIMIT < smem_bytes(spec, {**t, "block_p": 8})
+
+
+def test_window_in_whole_lines():
+    spec = _choose(2, 16, (13, 7), family="grouped_mma")  # bf16, two groups: 64-byte window pixels
+    t = dict(spec.tiles)
+    assert pixel_units(spec, t["groups_block"]) == 4
+    # a 13 x 7 window (3x3, 11 x 5 outputs, padding 1 -> rows 13, columns 7) of 91 pixels x 4
+    # units takes 46 lines, not 45.5: the last pixel's units may swizzle to the line's far half
+    wh, ww = (t["block_p"] - 1) + 3, (t["block_q"] - 1) + 3
+    staged = t["block_p"] * t["block_q"] * (128 + 16)
+    assert smem_bytes(spec, t) == -(-wh * ww * 4 // 8) * 128 + staged
+    assert pixel_units(_choose(4, 24, (14, 14), dtype="float32", family="grouped_mma"), 1) == 8
+    assert pixel_units(_choose(4, 8, (14, 14), dtype="float32", family="grouped_mma"), 1) == 2
+    assert tap_registers(_choose(4, 16, (14, 14), dtype="float32", family="grouped_mma"), 16) == 72
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("dtype,channels_last,groups,cin_g,cout_g,tiles", [
+    ("bfloat16", True, 32, 16, 16, None),
+    ("float32", True, 32, 16, 16, None),
+    ("float16", False, 32, 16, 16, None),
+    ("float32", False, 32, 32, 32, None),
+    ("bfloat16", True, 5, 48, 24, {"warp_n": 8, "m_tiles": 2}),  # 6-chunk pixels padded to a line
+])
+def test_lowers_without_spills(dtype, channels_last, groups, cin_g, cout_g, tiles, tmp_path):
+    spec = _choose(groups, cin_g, (14, 14), cout_g=cout_g, dtype=dtype, channels_last=channels_last,
+                   family="grouped_mma", tiles=tiles)
+    ptx, report = lower(spec, tmp_path)
+    for spill in re.findall(r"(\d+) bytes spill stores", report):
+        assert spill == "0", report
+    shape = "m16n8k8.row.col.f32.tf32" if dtype == "float32" else f"m16n8k16.row.col.f32.{'bf16' if dtype == 'bfloat16' else 'f16'}"
+    assert f"mma.sync.aligned.{shape}" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+    assert ("cvt.rna.tf32.f32" in ptx) == (dtype == "float32")  # TF32 rounds its fragments and taps
+    assert ("kg_nhwc_transpose" in ptx) == (not channels_last)
