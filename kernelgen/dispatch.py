@@ -25,8 +25,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.176, 0.116 / 0.300 / 0.485, 0.102 / 0.223 / 0.131; of 8 on 28 x 28 0.094 / 0.122 / 0.104,
    0.097 / 0.141 / 0.274, 0.077 / 0.107 / 0.078; of 8 at stride 2 from 56 x 56 0.191 / 0.239 /
    0.171, 0.189 / 0.243 / 0.241, 0.146 / 0.161 / 0.127; of 16 on 14 x 14 strict 0.092 / 0.102 /
-   0.269, but TF32 0.094 / 0.085 and bf16 0.088 / 0.070 (stay). Runs of 2 pixels (vec_q 2, which
-   divides 14) lost to 4 on every such layer. NCHW depthwise stays on `depthwise` (depthwise_nhwc
+   0.269, but TF32 0.094 / 0.085 and bf16 0.088 / 0.070 (grouped_mma's since). Runs of 2 pixels
+   (vec_q 2, which divides 14) lost to 4 on every such layer. NCHW depthwise stays on `depthwise` (depthwise_nhwc
    through the transpose: 960 channels on 7 x 7 0.052 / 0.044, 384 on 14 x 14 0.078 / 0.036),
    except input planes of at most SMALL_PLANE elements: depthwise_planes stages whole planes a
    block, one contiguous run of them. H100, batch 32, 3x3 padding 1, same process, stream time of
