@@ -86,6 +86,12 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    27.8 / 36.8 / 26.7; 24->144 TF32 33.4 / 47.3 / 32.9, but bf16 (three eighths of a k-tile) 30.2
    / 26.2 / 48.4. Case 87's planes stay on pointwise (TF32 4.85 / 4.83 ms, bf16 2.55 / 2.41), as do
    outputs under a wgmma N (144->24 TF32 0.068 / 0.060 ms; stream 31.9 / 31.7 us).
+   Except on GPUs of the wide-DRAM class (kernelgen.arch.wide_dram: Hopper parts of more than
+   90 GiB, 3.9-4.9 TB/s), where large planes take pointwise_tma too: pointwise's mma.sync tiles
+   issue case 87 in 4.7-4.8 ms whatever the bandwidth, which an H100's 3.35 TB/s hides and an
+   H200's 4.8 does not. Case 87, stream time of 20 calls, us, same process (pointwise /
+   pointwise_tma / F.conv2d): H200 TF32 4780 / 3427 / 3525, bf16 1966 / 1847 / 1813 (its
+   movement alone: 3354 and 1678); H100 TF32 4667 / 4717 / 4596, bf16 2341 / 2452 / 2444.
 3. nhwc_tma (sm_90a): dense channels_last layers in TF32 and 16-bit whose reduction is 4
    k-tiles (of 128 bytes of one tap's channels) or more, and in TF32 only where the tap windows
    read each input element 4 times or more (kh*kw >= 4*sh*sw), since TF32 pays a rounded copy of
@@ -251,7 +257,7 @@ CPU_ORDER = ("cpu_direct",)
 # NCHW depthwise planes up to this many elements go to depthwise_planes (module docstring, item 1).
 SMALL_PLANE = 256
 # NCHW 1x1 reductions under 96 channels take pointwise_tma only on output planes smaller than this
-# (item 2): from here pointwise's 16-warp tiles run them (case 87).
+# (item 2): from here pointwise's 16-warp tiles run them (case 87), except on wide-DRAM GPUs.
 POINTWISE_LARGE_PLANE = 4096
 
 
@@ -382,12 +388,14 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
     if name == "depthwise_planes":  # input planes of at most SMALL_PLANE elements
         return problem.H * problem.W <= SMALL_PLANE
     if name == "pointwise_tma":  # into at least one whole wgmma N: reductions of 96 channels or more,
-        # or (planes under POINTWISE_LARGE_PLANE) of at least three quarters of a 128-byte k-tile
+        # or (planes under POINTWISE_LARGE_PLANE, any plane on a wide-DRAM GPU) of at least three
+        # quarters of a 128-byte k-tile
         if spec.out_channels < 64:
             return False
         if spec.in_channels >= 96:
             return True
-        return problem.P * problem.Q < POINTWISE_LARGE_PLANE and spec.in_channels * element_size(spec) >= 96
+        small = problem.P * problem.Q < POINTWISE_LARGE_PLANE
+        return (small or problem.wide_dram) and spec.in_channels * element_size(spec) >= 96
     if name == "nhwc_tma":
         (sh, sw), k_tiles = spec.stride, tma_k_tiles(spec)
         if spec.layout == "nchw":  # where nhwc would take it (both transpose the input, TF32 rounded)

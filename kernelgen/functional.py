@@ -59,7 +59,7 @@ class Plan:
 
 
 _plans: dict[Any, Plan] = {}
-_arch_by_device: dict[int, str] = {}
+_target_by_device: dict[int, tuple[str, bool]] = {}
 _meta_observers: list[Callable[..., None]] = []
 
 
@@ -86,13 +86,20 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def _cuda_arch(index: int) -> str:
-    arch = _arch_by_device.get(index)
-    if arch is None:
-        from .arch import arch_for_capability
+def _cuda_target(index: int) -> tuple[str, bool]:
+    """(arch, wide_dram) of a GPU, read once per process: what dispatch and plan records key on."""
+    target = _target_by_device.get(index)
+    if target is None:
+        from .arch import arch_for_capability, wide_dram
 
-        arch = _arch_by_device[index] = arch_for_capability(*torch.cuda.get_device_capability(index))
-    return arch
+        props = torch.cuda.get_device_properties(index)
+        target = _target_by_device[index] = (arch_for_capability(props.major, props.minor),
+                                             wide_dram(props.total_memory))
+    return target
+
+
+def _cuda_arch(index: int) -> str:
+    return _cuda_target(index)[0]
 
 
 def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
@@ -176,20 +183,21 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
         if vcall.channels_last == call.channels_last:  # (a degenerate view could look channels_last)
             return spec, dataclasses.replace(vcall, sample=sample)
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
-    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, arch=_target_arch(input, device))
+    arch, wide = _target(input, device)
+    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, arch=arch, wide_dram=wide)
     return dispatch.choose(params, device, problem, call.channels_last, math, family=family, tiles=tiles), call
 
 
-def _target_arch(input: torch.Tensor, device: str) -> str:
-    """The CUDA target a plan is for: the input's GPU, else (meta planning, e.g. `kernelgen
-    warm`) the current GPU's; '' on CPU or when no GPU is visible."""
+def _target(input: torch.Tensor, device: str) -> tuple[str, bool]:
+    """The CUDA target a plan is for, (arch, wide_dram): the input's GPU, else (meta planning,
+    e.g. `kernelgen warm`) the current GPU's; ('', False) on CPU or when no GPU is visible."""
     if device != "cuda":
-        return ""
+        return "", False
     if input.is_cuda:
-        return _cuda_arch(input.device.index)
+        return _cuda_target(input.device.index)
     if torch.cuda.is_available():
-        return _cuda_arch(torch.cuda.current_device())
-    return ""
+        return _cuda_target(torch.cuda.current_device())
+    return "", False
 
 
 def _signature_json(sig: tuple, arch: str) -> list:
@@ -207,8 +215,8 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
     device = input.device.type if isinstance(input, torch.Tensor) else None
     record_name = None
     if sig is not None and device in ("cuda", "cpu") and input.numel() > 0:
-        arch = _cuda_arch(input.device.index) if device == "cuda" else "cpu"
-        record_name = plans.record_name(_signature_json(sig, arch), arch)
+        arch, wide = _cuda_target(input.device.index) if device == "cuda" else ("cpu", False)
+        record_name = plans.record_name(_signature_json(sig, arch), arch, wide)
         cache = _default_cache()
         record = plans.read(cache.root, record_name)
         if record is not None:

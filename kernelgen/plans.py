@@ -9,7 +9,7 @@ re-validate, and no spec, dispatch or rendering is needed.
 
 A record's name hashes the signature together with everything that could change the
 answer: kernelgen's own sources and templates (by size and mtime), the Python, torch
-and CUDA versions, the GPU architecture, and the identity of the compilers on PATH. Any
+and CUDA versions, the GPU architecture and DRAM class, and the identity of the compilers on PATH. Any
 change there is a different name, hence a miss and the full path. The entry a record
 names is still verified (manifest and .so checksum) before it is imported.
 """
@@ -102,9 +102,10 @@ def identity() -> str:
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()
 
 
-def record_name(signature: list, arch: str) -> str:
-    """The record's name for a call signature (JSON-able) on a target `arch`."""
-    text = json.dumps([identity(), arch, signature], separators=(",", ":"))
+def record_name(signature: list, arch: str, wide_dram: bool = False) -> str:
+    """The record's name for a call signature (JSON-able) on a target `arch`, of the wide-DRAM
+    class or not (kernelgen.arch.wide_dram: the dispatcher's choice can differ between the two)."""
+    text = json.dumps([identity(), arch, wide_dram, signature], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

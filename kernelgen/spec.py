@@ -87,8 +87,9 @@ def resolve_padding(padding: Any, kernel: tuple[int, int], stride: tuple[int, in
 
 @dataclass(frozen=True)
 class Problem:
-    """Runtime sizes of one call: batch, input height/width, output height/width, and the
-    target the kernel will run on ('sm_90a', ...; '' when unknown or not CUDA)."""
+    """Runtime sizes of one call: batch, input height/width, output height/width, the target
+    the kernel will run on ('sm_90a', ...; '' when unknown or not CUDA), and whether that GPU is
+    of the wide-DRAM class (kernelgen.arch.wide_dram; False when unknown)."""
 
     N: int
     H: int
@@ -96,6 +97,7 @@ class Problem:
     P: int
     Q: int
     arch: str = ""
+    wide_dram: bool = False
 
 
 @dataclass(frozen=True)

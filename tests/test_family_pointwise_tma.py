@@ -26,11 +26,11 @@ FAM = get_family("pointwise_tma")
 
 
 def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, family=None, tiles=None, arch="sm_90a",
-            bias=False, channels_last=False):
+            bias=False, channels_last=False, wide_dram=False):
     params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
                   dilation=1, groups=1, dtype=dtype, bias=bias)
     P, Q = ConvSpec(**params).output_size(x[2], x[3])
-    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch, wide_dram=wide_dram)
     return dispatch.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
                            family=family, tiles=tiles)
 
@@ -55,6 +55,7 @@ def test_hopper_takes_nchw_1x1_reductions_from_96_channels(layer):
 
 @pytest.mark.parametrize("layer", [
     C87,  # 64 input channels on large planes: pointwise's 16-warp tiles measured ahead or even
+    # (on GPUs of the standard DRAM class: test_wide_dram_gpus_take_large_planes_too)
     dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)),  # (4096 pixels: dispatch.POINTWISE_LARGE_PLANE)
     dict(x=(32, 144, 56, 56), w=(24, 144, 1, 1)),  # under one wgmma N of outputs
     dict(x=(8, 256, 512, 512), w=(32, 256, 1, 1)),
@@ -65,6 +66,46 @@ def test_short_reductions_and_narrow_outputs_stay(layer):
         assert _choose(**layer, dtype=dtype).family != "pointwise_tma"
     # ... though the family serves them when asked
     assert _choose(**layer, family="pointwise_tma").family == "pointwise_tma"
+
+
+@pytest.mark.parametrize("layer", [C87, dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)), dict(x=(4, 48, 256, 256), w=(64, 48, 1, 1))])
+def test_wide_dram_gpus_take_large_planes_too(layer):
+    # dispatch.py, item 2: on an H200 pointwise's tiles cannot keep up with the memory (case 87
+    # TF32 4.78 ms against pointwise_tma's 3.43); on an H100 they keep case 87
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert _choose(**layer, dtype=dtype, wide_dram=True).family == "pointwise_tma", dtype
+        assert _choose(**layer, dtype=dtype).family == "pointwise", dtype
+    assert _choose(**layer, math="ieee", wide_dram=True).family != "pointwise_tma"  # strict float32
+    assert _choose(**layer, arch="sm_80", wide_dram=True).family != "pointwise_tma"
+    # what the wide class does not change: outputs under one wgmma N, a k-tile under three quarters full
+    assert _choose(x=layer["x"], w=(32,) + layer["w"][1:], wide_dram=True).family != "pointwise_tma"
+    assert _choose(x=layer["x"][:1] + (24,) + layer["x"][2:], w=(144, 24, 1, 1), dtype="bfloat16",
+                   wide_dram=True).family != "pointwise_tma"
+
+
+def test_plans_read_the_dram_class_off_the_gpu(monkeypatch):
+    """functional resolves (arch, wide_dram) once per device from its properties, and meta
+    planning for CUDA takes the current GPU's: a 141 GB Hopper part plans case 87 on
+    pointwise_tma, an 80 GB one on pointwise, a CPU-only machine as the standard class."""
+    import types
+
+    import torch
+
+    from kernelgen import functional
+
+    x = torch.empty(*C87["x"], device="meta")
+    w = torch.empty(*C87["w"], device="meta")
+    monkeypatch.setattr(functional, "_target_by_device", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise"  # no GPU: sm_* unknown
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for gib, family in ((143, "pointwise_tma"), (79, "pointwise")):
+        props = types.SimpleNamespace(major=9, minor=0, total_memory=gib << 30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, p=props: p)
+        monkeypatch.setattr(functional, "_target_by_device", {})
+        assert functional._cuda_target(0) == ("sm_90a", gib == 143)
+        assert functional.spec_for(x, w, None, device="cuda")[0].family == family, gib
 
 
 @pytest.mark.parametrize("layer,tf32,bf16", [

@@ -200,3 +200,21 @@ def test_template_dir_holds_the_templates():
     import kernelgen.render as render
 
     assert render.template_dir() == root
+
+
+def test_record_names_follow_the_target_and_its_dram_class(identity):
+    # the dispatcher's choice can differ between an H100 and an H200 (both sm_90a)
+    sig = [[16, 64, 1024, 1024], "torch.float32", "cuda"]
+    names = {plans.record_name(sig, "sm_90a"), plans.record_name(sig, "sm_90a", True),
+             plans.record_name(sig, "sm_80"), plans.record_name(sig[:2], "sm_90a")}
+    assert len(names) == 4
+    assert plans.record_name(sig, "sm_90a") == plans.record_name(list(sig), "sm_90a", False)
+
+
+def test_wide_dram_class_by_memory_size():
+    from kernelgen.arch import wide_dram
+
+    # as the driver reports them, MiB: H100 PCIe/SXM and H800 (80 GB) against H100 NVL (94 GB),
+    # GH200 and H20 (96 GB) and H200 (141 GB)
+    assert not wide_dram(81559 << 20)
+    assert wide_dram(95830 << 20) and wide_dram(97871 << 20) and wide_dram(143771 << 20)
