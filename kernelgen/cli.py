@@ -473,6 +473,7 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
 
     from .cache import Cache
     from .errors import CacheError
+    from .arch import wide_dram
     from .toolchain import arch_for_capability, host_compiler_version, nvcc_version
 
     facts: dict[str, Any] = {"kernelgen": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
@@ -482,10 +483,13 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
     gpu = bool(torch.version.cuda) and torch.cuda.is_available()
     facts["cuda_available"] = gpu
     if gpu:
-        facts["gpus"] = [{"index": i, "name": torch.cuda.get_device_name(i),
-                          "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
-                          "arch": arch_for_capability(*torch.cuda.get_device_capability(i))}
-                         for i in range(torch.cuda.device_count())]
+        facts["gpus"] = []
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            facts["gpus"].append({"index": i, "name": props.name, "capability": f"{props.major}.{props.minor}",
+                                  "arch": arch_for_capability(props.major, props.minor),
+                                  "memory_gib": round(props.total_memory / 2**30, 1),
+                                  "wide_dram": wide_dram(props.total_memory)})
     elif not torch.version.cuda:
         notes.append(f"torch {torch.__version__} is a CPU-only build: only the CPU path can be compiled "
                      f"(no CUDA kernels, no --arch)")
@@ -583,7 +587,8 @@ def cmd_doctor(args) -> int:
         print(f"kernelgen      {facts['kernelgen']} (Python {facts['python']})")
         print(f"torch          {facts['torch']} (CUDA {facts['torch_cuda'] or 'none: CPU-only build'})")
         for g in facts.get("gpus", []):
-            print(f"GPU {g['index']}          {g['name']}, compute capability {g['capability']}, arch {g['arch']}")
+            print(f"GPU {g['index']}          {g['name']}, compute capability {g['capability']}, arch {g['arch']}, "
+                  f"{g['memory_gib']} GiB ({'wide' if g['wide_dram'] else 'standard'} DRAM class)")
         if not facts.get("gpus"):
             print("GPU            none visible")
         print(f"host compiler  {host['path'] or host['name'] + ' (not found)'} {host['version'] or ''}".rstrip())

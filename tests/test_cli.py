@@ -220,6 +220,22 @@ def test_doctor_reports(capsys, cache_dir):
     assert code == (1 if doc["problems"] else 0)
 
 
+def test_doctor_names_each_gpus_dram_class(capsys, cache_dir, monkeypatch):
+    # the dispatcher's choice can differ by it (kernelgen.arch.wide_dram): a GPU faked here
+    import types
+
+    props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=143771 << 20)
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    _, doc = run_json(capsys, "doctor")
+    assert doc["gpus"] == [{"index": 0, "name": "NVIDIA H200", "capability": "9.0", "arch": "sm_90a",
+                            "memory_gib": 140.4, "wide_dram": True}]
+    _, out, _ = run(capsys, "doctor")
+    assert "GPU 0          NVIDIA H200, compute capability 9.0, arch sm_90a, 140.4 GiB (wide DRAM class)" in out
+
+
 def test_prune_and_size_parsing():
     from kernelgen.cache_admin import parse_age, parse_size
 
