@@ -12,6 +12,7 @@ input (an unknown option, a bad spec record, a hostile archive).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -198,26 +199,13 @@ def _example_specs(directory: Path, device: str, dtype: str | None, precision: s
     return found
 
 
-def cmd_warm(args) -> int:
-    import torch
-
+def _collect_specs(args, device: str) -> tuple[list[tuple[Any, str]], list[str]]:
+    """(spec, origin) of every call warm's sources name, planned for the current target, and the
+    bad records' messages."""
     from . import warm
 
-    archs = _archs(args.arch)
-    if archs and not torch.version.cuda:
-        raise UsageError(f"--arch needs a torch with CUDA support; this torch ({torch.__version__}) is a CPU-only "
-                         f"build, so it cannot compile CUDA kernels. Install a CUDA build of torch, or warm "
-                         f"the CPU path without --arch")
-    device = args.device or ("cuda" if archs or torch.cuda.is_available() else "cpu")
-    if not (args.specfiles or args.examples or args.model):
-        raise UsageError("nothing to warm: give SPECFILE(s), --examples or --model (see kernelgen warm --help)")
-    if args.model and not args.input_shape:
-        raise UsageError("--model needs --input-shape (one per forward argument), e.g. --input-shape 1,3,224,224")
-    if args.input_shape and not args.model:
-        raise UsageError("--input-shape goes with --model")
-
     errors: list[str] = []
-    found: list[tuple[Any, str]] = []  # (spec, origin)
+    found: list[tuple[Any, str]] = []
     for path in args.specfiles:
         try:
             for origin, record in warm.read_records(path):
@@ -244,19 +232,55 @@ def cmd_warm(args) -> int:
     if args.examples:
         for f in _example_specs(Path(args.examples), device, args.dtype, args.precision):
             found.append((f.spec, f.where))
+    return found, errors
 
-    toolchains: dict[str, Any] = {}
+
+def cmd_warm(args) -> int:
+    import torch
+
+    from . import functional, warm
+
+    archs = _archs(args.arch)
+    if args.wide_dram and not archs:
+        raise UsageError("--wide-dram goes with --arch: it plans for GPUs of that target's wide-DRAM class "
+                         "(without --arch, warm plans for the local GPU, whose class kernelgen reads itself)")
+    if archs and not torch.version.cuda:
+        raise UsageError(f"--arch needs a torch with CUDA support; this torch ({torch.__version__}) is a CPU-only "
+                         f"build, so it cannot compile CUDA kernels. Install a CUDA build of torch, or warm "
+                         f"the CPU path without --arch")
+    device = args.device or ("cuda" if archs or torch.cuda.is_available() else "cpu")
+    if not (args.specfiles or args.examples or args.model):
+        raise UsageError("nothing to warm: give SPECFILE(s), --examples or --model (see kernelgen warm --help)")
+    if args.model and not args.input_shape:
+        raise UsageError("--model needs --input-shape (one per forward argument), e.g. --input-shape 1,3,224,224")
+    if args.input_shape and not args.model:
+        raise UsageError("--input-shape goes with --model")
+
+    # Each --arch target is planned for itself (the dispatcher's families differ by arch and DRAM
+    # class), and its specs are built with that arch's toolchain; without --arch, for the local GPU.
+    errors: list[str] = []
+    found: list[tuple[Any, str, str | None]] = []  # (spec, origin, arch)
+    for arch in archs or [None]:
+        with functional.planning_for(arch, args.wide_dram) if arch else contextlib.nullcontext():
+            specs, errs = _collect_specs(args, device)
+        found += [(spec, origin, arch) for spec, origin in specs]
+        errors += [e for e in errs if e not in errors]  # a bad record is bad for every target
+
+    toolchains: dict[tuple[str, str | None], Any] = {}
     items: list[warm.Item] = []
     seen: set = set()
-    for spec, origin in found:
-        if spec.device not in toolchains:
+    for spec, origin, arch in found:
+        arch = arch if spec.device == "cuda" else None
+        if (spec.device, arch) not in toolchains:
             try:
-                toolchains[spec.device] = warm.local_toolchains(spec.device, archs)
+                toolchains[spec.device, arch] = warm.local_toolchains(spec.device, [arch] if arch else None)
             except (RuntimeError, ValueError) as exc:
-                toolchains[spec.device] = exc
-        tcs = toolchains[spec.device]
+                toolchains[spec.device, arch] = exc
+        tcs = toolchains[spec.device, arch]
         if isinstance(tcs, Exception):
-            errors.append(f"{origin}: cannot warm {spec.device} kernels here: {tcs}")
+            message = f"{origin}: cannot warm {spec.device} kernels here: {tcs}"
+            if message not in errors:
+                errors.append(message)
             continue
         for tc in tcs:
             if (spec, tc) not in seen:
@@ -652,7 +676,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--precision", choices=("ieee", "tf32"),
                    help="float32 math for --model and --examples (default: torch's setting, as conv2d follows it)")
     w.add_argument("--arch", metavar="LIST",
-                   help="CUDA targets, e.g. sm_80,sm_90a, built instead of the local GPU's (needs torch with CUDA)")
+                   help="CUDA targets, e.g. sm_80,sm_90a, planned and built instead of the local GPU's (needs "
+                        "torch with CUDA)")
+    w.add_argument("--wide-dram", action="store_true",
+                   help="with --arch: plan for GPUs of the wide-DRAM class (Hopper parts of more than 90 GiB, "
+                        "such as the H200; `kernelgen doctor` names a GPU's class)")
     w.add_argument("--jobs", "-j", type=_positive, default=None,
                    help="parallel builds (default: $KERNELGEN_JOBS or the number of cores)")
     w.add_argument("--dry-run", action="store_true", help="list the specialisations found; build nothing")

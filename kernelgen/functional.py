@@ -60,7 +60,21 @@ class Plan:
 
 _plans: dict[Any, Plan] = {}
 _target_by_device: dict[int, tuple[str, bool]] = {}
+_planning_targets: list[tuple[str, bool]] = []
 _meta_observers: list[Callable[..., None]] = []
+
+
+@contextlib.contextmanager
+def planning_for(arch: str, wide_dram: bool = False) -> Iterator[None]:
+    """While active, CUDA plans made away from a GPU (spec_for on meta or CPU tensors, as
+    `kernelgen warm` makes them) are for the target `arch` of that DRAM class
+    (kernelgen.arch.wide_dram) rather than the current GPU's: the specs are then the ones a
+    GPU of that target will ask for. Calls on CUDA tensors keep their own GPU's target."""
+    _planning_targets.append((arch, bool(wide_dram)))
+    try:
+        yield
+    finally:
+        _planning_targets.pop()
 
 
 @contextlib.contextmanager
@@ -190,11 +204,14 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
 
 def _target(input: torch.Tensor, device: str) -> tuple[str, bool]:
     """The CUDA target a plan is for, (arch, wide_dram): the input's GPU, else (meta planning,
-    e.g. `kernelgen warm`) the current GPU's; ('', False) on CPU or when no GPU is visible."""
+    e.g. `kernelgen warm`) the innermost `planning_for` target or the current GPU's; ('', False)
+    on CPU or when neither is known."""
     if device != "cuda":
         return "", False
     if input.is_cuda:
         return _cuda_target(input.device.index)
+    if _planning_targets:
+        return _planning_targets[-1]
     if torch.cuda.is_available():
         return _cuda_target(torch.cuda.current_device())
     return "", False

@@ -193,6 +193,32 @@ def test_arch_without_cuda_torch_is_a_usage_error(capsys, cache_dir, tmp_path):
     assert code == 2 and "CPU-only" in err
 
 
+def test_warm_plans_each_arch_for_itself(capsys, cache_dir, tmp_path, monkeypatch):
+    """`warm --arch` on a machine without a GPU plans every target as a GPU of that target would
+    (Hopper families for sm_90a, not for sm_80), and --wide-dram as a GPU of the wide-DRAM class
+    (case 87's 1x1 on pointwise_tma); a dry run, so nothing is compiled."""
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")  # a CUDA torch, no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    records = write_jsonl(tmp_path / "s.jsonl", [
+        {"input": [16, 16, 1024, 1024], "weight": [128, 16, 3, 3], "precision": "tf32"},  # case 63
+        {"input": [16, 64, 1024, 1024], "weight": [128, 64, 1, 1], "precision": "tf32"},  # case 87
+        {"input": [2, 4, 12, 12], "weight": [8, 4, 3, 3], "device": "cpu"}])
+
+    def plans(*extra):
+        code, doc = run_json(capsys, "warm", records, "--dry-run", *extra)
+        assert code == 0 and not doc["errors"], doc["errors"]
+        return sorted((i["arch"], i["spec"]["family"], i["spec"]["kernel_size"][0]) for i in doc["items"])
+
+    here = plans("--arch", "sm_80,sm_90a")
+    assert [p for p in here if p[1] != "cpu_direct"] == [("sm_80", "igemm", 3), ("sm_80", "pointwise", 1),
+                                                         ("sm_90a", "pointwise", 1), ("sm_90a", "wgmma", 3)]
+    assert [p[1:] for p in here if p[1] == "cpu_direct"] == [("cpu_direct", 3)]  # the CPU record, once
+    wide = plans("--arch", "sm_90a", "--wide-dram")
+    assert [p for p in wide if p[1] != "cpu_direct"] == [("sm_90a", "pointwise_tma", 1), ("sm_90a", "wgmma", 3)]
+    code, _, err = run(capsys, "warm", records, "--dry-run", "--wide-dram")
+    assert code == 2 and "--wide-dram goes with --arch" in err
+
+
 def test_bad_arch_name(capsys, cache_dir, tmp_path):
     code, _, err = run(capsys, "warm", write_jsonl(tmp_path / "s.jsonl", RECORDS), "--arch", "hopper")
     assert code == 2 and "hopper" in err

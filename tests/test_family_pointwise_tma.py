@@ -106,6 +106,11 @@ def test_plans_read_the_dram_class_off_the_gpu(monkeypatch):
         monkeypatch.setattr(functional, "_target_by_device", {})
         assert functional._cuda_target(0) == ("sm_90a", gib == 143)
         assert functional.spec_for(x, w, None, device="cuda")[0].family == family, gib
+        # an explicit planning target (kernelgen warm --arch) outranks the local GPU's
+        with functional.planning_for("sm_90a", wide_dram=gib != 143):
+            assert functional.spec_for(x, w, None, device="cuda")[0].family != family
+            with functional.planning_for("sm_80", wide_dram=True):
+                assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise"
 
 
 @pytest.mark.parametrize("layer,tf32,bf16", [
