@@ -495,9 +495,9 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
     """(facts, problems that stop a compile here, notes)."""
     import torch
 
+    from .arch import wide_dram
     from .cache import Cache
     from .errors import CacheError
-    from .arch import wide_dram
     from .toolchain import arch_for_capability, host_compiler_version, nvcc_version
 
     facts: dict[str, Any] = {"kernelgen": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
