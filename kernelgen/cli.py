@@ -452,8 +452,15 @@ def cmd_cache_import(args) -> int:
 
 
 def cmd_render(args) -> int:
+    from . import functional
     from .render import render
     from .warm import RecordError, parse_record
+
+    archs = _archs(args.arch)
+    if archs and len(archs) > 1:
+        raise UsageError(f"--arch: render plans for one target, got {','.join(archs)}")
+    if args.wide_dram and not archs:
+        raise UsageError("--wide-dram goes with --arch (without it, render plans for the local GPU)")
 
     record: dict[str, Any] = {"input": list(args.input), "weight": list(args.weight), "bias": args.bias,
                               "stride": args.stride, "padding": args.padding, "dilation": args.dilation,
@@ -472,7 +479,8 @@ def cmd_render(args) -> int:
             tiles[name] = int(value)
         record["tiles"] = tiles
     try:
-        spec = parse_record(record, "command line")
+        with functional.planning_for(archs[0], args.wide_dram) if archs else contextlib.nullcontext():
+            spec = parse_record(record, "command line")
     except RecordError as exc:
         raise UsageError(str(exc)) from None
     if spec is None:
@@ -737,6 +745,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--memory-format", default="contiguous", choices=("contiguous", "channels_last"))
     r.add_argument("--family", help="force a kernel family")
     r.add_argument("--tile", action="append", metavar="NAME=INT", help="force a tile size (repeatable)")
+    r.add_argument("--arch", metavar="ARCH", help="plan for this CUDA target, e.g. sm_90a (default: the local "
+                                                   "GPU's; where none is visible, families that need one are "
+                                                   "not chosen)")
+    r.add_argument("--wide-dram", action="store_true", help="with --arch: plan for a GPU of the wide-DRAM class")
     r.add_argument("--unit", choices=("cuda", "cpp", "all"),
                    help="which translation unit (default: cuda for a cuda spec, cpp for cpu)")
     r.set_defaults(func=cmd_render)

@@ -237,6 +237,27 @@ def test_render_prints_source_with_banner(capsys):
     assert code == 2 and "field 'input'" in err
 
 
+def test_render_plans_for_a_named_target(capsys, cache_dir, monkeypatch):
+    # without a GPU, case 63's 3x3 plans on igemm; an H100 (sm_90a) runs it on wgmma, and case
+    # 87's 1x1 moves to pointwise_tma on the wide-DRAM class
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def family(*argv):
+        code, out, err = run(capsys, "render", "--device", "cuda", "--precision", "tf32", *argv)
+        assert code == 0, err
+        return json.loads(out.splitlines()[1][len("// spec: "):])["family"]
+
+    c63 = ("--input", "16,16,1024,1024", "--weight", "128,16,3,3")
+    c87 = ("--input", "16,64,1024,1024", "--weight", "128,64,1,1")
+    assert family(*c63) == "igemm" and family(*c63, "--arch", "sm_90a") == "wgmma"
+    assert family(*c87, "--arch", "sm_90a") == "pointwise"
+    assert family(*c87, "--arch", "sm_90a", "--wide-dram") == "pointwise_tma"
+    code, _, err = run(capsys, "render", *c87, "--wide-dram")
+    assert code == 2 and "--wide-dram goes with --arch" in err
+    code, _, err = run(capsys, "render", *c87, "--arch", "sm_80,sm_90a")
+    assert code == 2 and "one target" in err
+
+
 def test_doctor_reports(capsys, cache_dir):
     code, doc = run_json(capsys, "doctor")
     assert code in (0, 1)
