@@ -74,13 +74,16 @@ def test_refusals_name_the_reason():
         _choose(4, 16, (14, 14), family="grouped_mma", tiles={"warp_n": 32})
     with pytest.raises(ConvArgumentError, match="bytes of shared memory"):
         _choose(4, 32, (64, 64), dtype="float32", family="grouped_mma", tiles={"block_p": 32, "block_q": 64})
+    with pytest.raises(ConvArgumentError, match="transpose=1 serves NCHW calls"):
+        _choose(32, 16, (14, 14), family="grouped_mma", tiles={"transpose": 1})
     with pytest.raises(ConvArgumentError, match="threads a block, at most 1024"):
         _choose(16, 16, (14, 14), cout_g=32, family="grouped_mma", tiles={"groups_block": 16, "warp_n": 8})
 
 
 def test_default_tiles():
     t = dict(_choose(32, 16, (14, 14)).tiles)  # bf16: four groups fill a 128-byte window pixel
-    assert t == {"block_p": 7, "block_q": 14, "groups_block": 4, "warp_n": 16, "m_tiles": 1, "min_blocks": 0}
+    assert t == {"block_p": 7, "block_q": 14, "groups_block": 4, "warp_n": 16, "m_tiles": 1, "min_blocks": 0,
+                 "transpose": 0}
     t = dict(_choose(32, 16, (14, 14), dtype="float32").tiles)
     assert (t["groups_block"], t["warp_n"]) == (2, 16)
     t = dict(_choose(32, 32, (7, 7), dtype="float32", channels_last=False).tiles)  # 16 x 32 TF32 taps: 144
@@ -109,6 +112,42 @@ def test_window_in_whole_lines():
     assert tap_registers(_choose(4, 16, (14, 14), dtype="float32", family="grouped_mma"), 16) == 72
 
 
+def test_nchw_reads_in_place_unless_16_bit_threads_would_load_too_much():
+    """NCHW calls read their input in place (transpose 0) unless 16-bit threads would each load more
+    than ELEMENT_LOADS window elements: then through the transpose. Float32 copies by cp.async."""
+    from kernelgen.families.grouped_mma import ELEMENT_LOADS, window_loads
+
+    for dtype in ("float32", "bfloat16", "float16"):
+        for groups, cin_g, hw, stride in ((32, 16, (14, 14), 1), (32, 32, (7, 7), 1), (32, 32, (14, 14), 2)):
+            spec = _choose(groups, cin_g, hw, stride=stride, dtype=dtype, channels_last=False)
+            assert spec.family == "grouped_mma" and dict(spec.tiles)["transpose"] == 0, (dtype, cin_g, hw)
+        spec = _choose(32, 16, (28, 28), stride=2, dtype=dtype, channels_last=False)  # a 15 x 29 window
+        t = dict(spec.tiles)
+        assert window_loads(spec, t) > ELEMENT_LOADS and t["transpose"] == (dtype != "float32")
+        forced = _choose(32, 16, (28, 28), stride=2, dtype=dtype, channels_last=False, tiles={"transpose": 0})
+        assert dict(forced.tiles)["transpose"] == 0
+    channels_last = _choose(32, 16, (28, 28), stride=2)  # bf16: no transpose to choose
+    assert dict(channels_last.tiles)["transpose"] == 0
+
+
+def test_nchw_stages_a_channel_a_row():
+    """NCHW stages each output channel's pixels as a row of the tile's pixels in whole 128-byte
+    lines and 16 bytes more (so a fragment write spreads over the banks and a row's 16-byte runs
+    stay aligned); the transpose's workspace is the input's size, and only with transpose=1."""
+    for dtype, esize in (("float32", 4), ("bfloat16", 2)):
+        spec = _choose(32, 16, (14, 14), dtype=dtype, channels_last=False, family="grouped_mma")
+        t = dict(spec.tiles)
+        wh, ww = t["block_p"] + 2, t["block_q"] + 2
+        channels = t["groups_block"] * 16
+        row = -(-t["block_p"] * t["block_q"] * esize // 128) * 128 + 16
+        assert row % 128 == 16
+        lines = -(-wh * ww * pixel_units(spec, t["groups_block"]) // 8)
+        assert smem_bytes(spec, t) == lines * 128 + channels * row
+        assert FAM.context(spec)["WORKSPACE_PER_INPUT"] == 0 and not FAM.context(spec)["TRANSPOSE"]
+        spec = spec.replace(tiles=tuple(sorted({**t, "transpose": 1}.items())))
+        assert FAM.context(spec)["WORKSPACE_PER_INPUT"] == esize and FAM.context(spec)["TRANSPOSE"]
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("dtype,channels_last,groups,cin_g,cout_g,tiles", [
@@ -116,6 +155,8 @@ def test_window_in_whole_lines():
     ("float32", True, 32, 16, 16, None),
     ("float16", False, 32, 16, 16, None),
     ("float32", False, 32, 32, 32, None),
+    ("float32", False, 32, 16, 16, {"transpose": 1}),
+    ("bfloat16", False, 32, 16, 16, {"transpose": 1, "block_q": 8}),  # 16-byte runs of rows
     ("bfloat16", True, 5, 48, 24, {"warp_n": 8, "m_tiles": 2}),  # 6-chunk pixels padded to a line
 ])
 def test_lowers_without_spills(dtype, channels_last, groups, cin_g, cout_g, tiles, tmp_path):
@@ -128,4 +169,7 @@ def test_lowers_without_spills(dtype, channels_last, groups, cin_g, cout_g, tile
     assert f"mma.sync.aligned.{shape}" in ptx
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
     assert ("cvt.rna.tf32.f32" in ptx) == (dtype == "float32")  # TF32 rounds its fragments and taps
-    assert ("kg_nhwc_transpose" in ptx) == (not channels_last)
+    assert ("kg_nhwc_transpose" in ptx) == bool(tiles and tiles.get("transpose"))
+    direct = not channels_last and not (tiles and tiles.get("transpose"))
+    four_byte_copies = re.search(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], 4,", ptx)
+    assert bool(four_byte_copies) == (direct and dtype == "float32")  # NCHW read in place, float32

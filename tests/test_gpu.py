@@ -987,6 +987,15 @@ def make_grouped_mma_cases(n: int, seed: int = 7400) -> list[Case]:
         (2, 32, 32, 32, (1, 1), "float32", "contiguous", 7, 7, ()),
         (2, 32, 16, 16, (1, 1), "float16", "contiguous", 14, 14, ()),
         (1, 5, 16, 16, (1, 1), "bfloat16", "channels_last", 9, 11, (("groups_block", 4),)),  # a block of 1 live group
+        # NCHW read in place, rows out in runs of 16 bytes (two tiles across, a partial tile down),
+        # 8 bytes (28 bf16 columns) and 16 bytes again (float16, stride 2); the earlier rows'
+        # 7 and 14 columns go out an element at a time (and 14 16-bit ones in 4-byte runs)
+        (2, 8, 16, 16, (1, 1), "float32", "contiguous", 13, 40, ()),
+        (2, 4, 32, 16, (1, 1), "bfloat16", "strided_view", 12, 28, ()),
+        (3, 5, 16, 8, (2, 2), "float16", "contiguous", 17, 32, (("groups_block", 2),)),
+        # NCHW through the transpose
+        (1, 8, 16, 16, (1, 1), "float32", "contiguous", 14, 14, (("transpose", 1),)),
+        (3, 4, 16, 32, (1, 1), "bfloat16", "weight_slice", 9, 16, (("transpose", 1), ("block_q", 8))),
     ]
     cases += [Case(7400 + n + i, N, g * ci, g * co, g, (3, 3), st, 1, (1, 1), True, dt,
                    "tf32" if dt == "float32" else None, lay, h, w, "grouped_mma", t)
@@ -1474,13 +1483,17 @@ MEMCHECK = textwrap.dedent("""
             run("grouped_nhwc", dtype, (3, 36, 10, 12), (24, 6, 3, 1), groups=6, stride=(2, 1))
         if "grouped_mma" in fams:  # the window's 16-byte copies and element loads (offset 1), a
             # block of groups past the last, tiles past the last row and column, 8-channel warps;
-            # NCHW through the transpose, from an offset view
+            # NCHW read in place from an offset view (element-wise rows out) and from a dense
+            # tensor (16-byte runs of rows out, a tile past the last row), and through the transpose
             for offset in (0, 1):
                 run_cl(dtype, (2, 80, 9, 11), (80, 16, 3, 3), offset, family="grouped_mma", groups=5, padding=1,
                        tiles={{"groups_block": 2, "block_p": 4, "block_q": 5}})
             run_cl(dtype, (3, 64, 10, 7), (128, 32, 3, 1), 0, family="grouped_mma", groups=2, stride=(2, 1),
                    padding=(1, 0), tiles={{"warp_n": 8, "m_tiles": 1}})
             run("grouped_mma", dtype, (2, 64, 9, 12), (64, 16, 3, 3), groups=4, padding=1)
+            run("grouped_mma", dtype, (2, 80, 11, 16), (80, 16, 3, 3), view=False, groups=5, padding=1,
+                tiles={{"groups_block": 2, "block_p": 4, "block_q": 8}})
+            run("grouped_mma", dtype, (2, 64, 9, 12), (64, 16, 3, 3), groups=4, padding=1, tiles={{"transpose": 1}})
         if "depthwise_nhwc" in fams:  # NCHW: the transpose, runs of pixels, element-wise input
             run("depthwise_nhwc", dtype, (2, 24, 9, 12), (48, 1, 3, 3), view=False, groups=24, padding=1)
             run("depthwise_nhwc", dtype, (2, 24, 9, 12), (72, 1, 3, 3), groups=24, padding=1)

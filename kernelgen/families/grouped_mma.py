@@ -1,5 +1,5 @@
 """`grouped_mma`: grouped convolution of 8-64 channels a group on tensor cores (mma.sync), for
-channels_last calls and, through a transpose of the input, NCHW ones.
+channels_last calls and NCHW ones.
 
 ResNeXt's wider groups (16 and 32 channels) are too wide for `grouped_nhwc`'s float32 FMAs and
 too narrow for the GEMM families, which run one group's thin GEMM a block: `nhwc` gives a group
@@ -8,8 +8,14 @@ them idle. Here (templates/cuda/grouped_mma.cu.j2) a block owns a tile of output
 image and `groups_block` consecutive groups. It copies the tile's input window once into shared
 memory; each warp holds its group's taps for `warp_n` output channels in registers, and walks the
 tile's pixels 16 at a time, one ldmatrix and `warp_n / 8` MMAs a tap and k-step (m16n8k8 TF32,
-m16n8k16 bf16 and fp16). The results are staged in shared memory and leave as 16-byte runs
-(channels_last) or runs of pixels (NCHW).
+m16n8k16 bf16 and fp16). The results are staged in shared memory and leave as 16-byte runs of a
+pixel's channels (channels_last) or of a row's pixels (NCHW, where the rows allow).
+
+An NCHW input is read where it lies by default: each channel's window rows, an element a thread
+(4-byte cp.async for float32), into the same swizzled window. `transpose=1` instead transposes the
+input into a channels_last workspace first and copies the window from there 16 bytes at a time.
+That costs a pass over the input, which outweighs the window copy it saves except where a 16-bit
+thread would load more than ELEMENT_LOADS window elements itself (default_tiles).
 
 It serves TF32 and 16-bit calls (strict float32 stays with `grouped_nhwc`'s exact FMAs and
 `nhwc`'s 3xTF32), two groups or more whose input channels fill whole MMA k-steps (8 float32, 16
@@ -23,6 +29,8 @@ Tile parameters:
     warp_n         output channels a warp, of one group (8, 16 or 32)
     m_tiles        16-pixel tiles a warp keeps in flight (1 or 2)
     min_blocks     blocks an SM the launch bounds ask for (0 asks for none)
+    transpose      NCHW only: 1 reads the input through a channels_last copy in the workspace,
+                   0 reads it where it lies
 """
 
 from __future__ import annotations
@@ -43,10 +51,17 @@ TILES: Mapping[str, tuple[int, ...]] = {
     "warp_n": (16, 8, 32),
     "m_tiles": (1, 2),
     "min_blocks": (0, 1, 2, 3, 4),
+    "transpose": (0, 1),
 }
 
 WREG_LIMIT = 96  # 32-bit registers a thread may hold taps in (a 3x3 of 16 x 16 TF32 taps: 72)
 TILE_PIXELS = 128  # the default tile's output pixels, about (8 MMA row tiles a warp)
+# 16-bit NCHW windows of more elements a thread than this go through the transpose. H100, ResNeXt's
+# 32 groups at batch 32, stream us, in place / transposed / F.conv2d: of 16 at stride 2 from 28 x 28
+# (217 a thread) 75.0 / 63.4 / 68.1; of 32 at stride 2 from 14 x 14 (112) 38.3 / 44.4 / 43.7; of 16
+# on 14 x 14 (72) 23.7 / 30.6 / 44.1. Float32 copies by cp.async and stays in place (stride 2, 16
+# a group, 217: 70.0 / 89.1 / 95.8).
+ELEMENT_LOADS = 160
 MAX_THREADS = 1024
 
 
@@ -68,13 +83,25 @@ def pixel_units(spec: "ConvSpec", groups_block: int) -> int:
     return 1 << (chunks - 1).bit_length() if chunks <= 4 else -(-chunks // 8) * 8
 
 
+def window_loads(spec: "ConvSpec", tiles: Mapping[str, int]) -> float:
+    """Window elements a thread loads when it reads an NCHW input in place."""
+    wh, ww = window(spec, tiles["block_p"], tiles["block_q"])
+    threads = 32 * tiles["groups_block"] * spec.cout_per_group // tiles["warp_n"]
+    return tiles["groups_block"] * spec.cin_per_group * wh * ww / threads
+
+
 def smem_bytes(spec: "ConvSpec", tiles: Mapping[str, int]) -> int:
-    """The window and the staged output tile, by the template's own formula."""
+    """The window and the staged output tile, by the template's own formula: channels_last stages
+    a pixel's channels a row, NCHW a channel's pixels."""
     esize = element_size(spec)
     wh, ww = window(spec, tiles["block_p"], tiles["block_q"])
-    row = -(-tiles["groups_block"] * spec.cout_per_group * esize // 128) * 128 + (32 if esize == 4 else 16)
+    pixels, channels = tiles["block_p"] * tiles["block_q"], tiles["groups_block"] * spec.cout_per_group
+    if spec.layout == "nchw":
+        staged = channels * (-(-pixels * esize // 128) * 128 + 16)
+    else:
+        staged = pixels * (-(-channels * esize // 128) * 128 + (32 if esize == 4 else 16))
     lines = -(-wh * ww * pixel_units(spec, tiles["groups_block"]) // 8)  # the swizzle keeps a unit in its line
-    return lines * 128 + tiles["block_p"] * tiles["block_q"] * row
+    return lines * 128 + staged
 
 
 def tap_registers(spec: "ConvSpec", warp_n: int) -> int:
@@ -114,6 +141,9 @@ class GroupedMmaFamily(Family):
         if threads > MAX_THREADS:
             raise Unsupported(f"grouped_mma: {threads} threads a block, at most {MAX_THREADS} (choose a smaller "
                               f"groups_block or a larger warp_n)")
+        if tiles["transpose"] and spec.layout != "nchw":
+            raise Unsupported("grouped_mma: transpose=1 serves NCHW calls; channels_last ones read their input "
+                              "where it lies")
         if -(-spec.groups // gb) > 65535:
             raise Unsupported(f"grouped_mma: {spec.groups} groups in blocks of {gb} exceed a grid column")
         need = smem_bytes(spec, tiles)
@@ -132,6 +162,8 @@ class GroupedMmaFamily(Family):
             most 32; block_p: the rows that bring a tile nearest TILE_PIXELS in even bands,
             halved while the window and staging do not fit.
         m_tiles 1, min_blocks 0.
+        transpose: 1 for 16-bit NCHW calls whose threads would load more than ELEMENT_LOADS
+            window elements each in place, else 0.
         """
         fixed = dict(fixed or {})
         P, Q = max(problem.P, 1), max(problem.Q, 1)
@@ -142,17 +174,20 @@ class GroupedMmaFamily(Family):
         bp = fixed.get("block_p", -(-P // -(-P * bq // TILE_PIXELS)))
         bp = min(bp, TILES["block_p"][-1])
         tiles = {"block_p": bp, "block_q": min(bq, TILES["block_q"][-1]), "groups_block": gb, "warp_n": wn,
-                 "m_tiles": 1, "min_blocks": 0, **fixed}
+                 "m_tiles": 1, "min_blocks": 0, "transpose": 0, **fixed}
         while tiles["block_p"] > 1 and "block_p" not in fixed and smem_bytes(spec, tiles) > SMEM_LIMIT:
             tiles["block_p"] = -(-tiles["block_p"] // 2)
+        if "transpose" not in fixed and spec.layout == "nchw" and spec.dtype != "float32":
+            tiles["transpose"] = int(window_loads(spec, tiles) > ELEMENT_LOADS)
         return tiles
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         tiles = dict(spec.tiles)
-        # The template recomputes both and static_asserts that they agree; NCHW calls transpose
-        # their input into the workspace.
+        # The template recomputes both and static_asserts that they agree; transpose=1 takes the
+        # input's size in workspace for its channels_last copy.
+        transpose = bool(tiles["transpose"])
         return {"GM_SMEM_BYTES": smem_bytes(spec, tiles), "GM_WREGS": tap_registers(spec, tiles["warp_n"]),
-                "WORKSPACE_PER_INPUT": element_size(spec) if spec.layout == "nchw" else 0}
+                "TRANSPOSE": transpose, "WORKSPACE_PER_INPUT": element_size(spec) if transpose else 0}
 
 
 FAMILIES = (GroupedMmaFamily(),)
