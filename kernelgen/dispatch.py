@@ -25,7 +25,8 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.176, 0.116 / 0.300 / 0.485, 0.102 / 0.223 / 0.131; of 8 on 28 x 28 0.094 / 0.122 / 0.104,
    0.097 / 0.141 / 0.274, 0.077 / 0.107 / 0.078; of 8 at stride 2 from 56 x 56 0.191 / 0.239 /
    0.171, 0.189 / 0.243 / 0.241, 0.146 / 0.161 / 0.127; of 16 on 14 x 14 strict 0.092 / 0.102 /
-   0.269, but TF32 0.094 / 0.085 and bf16 0.088 / 0.070 (grouped_mma's since). Runs of 2 pixels
+   0.269, but TF32 0.094 / 0.085 and bf16 0.088 / 0.070 (grouped_mma's since, as are TF32 groups
+   of 8, below). Runs of 2 pixels
    (vec_q 2, which divides 14) lost to 4 on every such layer. NCHW depthwise stays on `depthwise` (depthwise_nhwc
    through the transpose: 960 channels on 7 x 7 0.052 / 0.044, 384 on 14 x 14 0.078 / 0.036),
    except input planes of at most SMALL_PLANE elements: depthwise_planes stages whole planes a
@@ -37,16 +38,23 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    56 x 56 by more (144 channels float32 69.3 / 46.6).
    grouped_mma: grouped layers of wider groups on tensor cores (a block's window of GB groups
    staged once, a warp's taps in registers; TF32 and 16-bit): channels_last groups of 16 input
-   channels (bf16's one MMA k-step, TF32's two), and NCHW groups of up to 32 through the input's
-   transpose, where igemm ran them. H100, ResNeXt-50's 32 groups at batch 32, 3x3, same process,
-   stream time of 20 calls, us (grouped_mma / what served them before / F.conv2d): of 16 on
+   channels (bf16's one MMA k-step, TF32's two), and NCHW groups of up to 32 (the input read in
+   place since, or through its transpose: grouped_mma.py), where igemm ran them, and NCHW TF32
+   groups of 8, where grouped_nhwc did. Through the transpose (fortieth session), H100,
+   ResNeXt-50's 32 groups at batch 32, 3x3, same process, stream time of 20 calls, us
+   (grouped_mma / what served them before / F.conv2d): of 16 on
    14 x 14 channels_last bf16 11.6 / 24.4 (nhwc) / 25.3, TF32 24.0 / 37.1 / 35.8; NCHW bf16 33.5 /
    51.6 (igemm) / 44.1; of 16 at stride 2 from 28 x 28 channels_last bf16 20.3 / 28.2 / 25.8, TF32
    47.2 / 46.9 / 43.8, NCHW bf16 64.0 / 74.9 / 68.0, TF32 102.4 / 369.6 / 96.6; of 32 on 7 x 7
    NCHW bf16 31.7 / 46.0 / 34.6, TF32 46.6 / 73.6 / 41.8, at stride 2 from 14 x 14 bf16 39.6 /
    75.5 / 43.9, TF32 76.5 / 185.7 / 60.6. Channels_last groups of 32 stay on nhwc (7 x 7 bf16
    13.5 against 15.9-20.2, TF32 31.0 against 34.2), as do groups of 8 on grouped_nhwc (TF32 on
-   28 x 28 41.7 against 39.5-41.0).
+   28 x 28 41.7 against 39.5-41.0; 39.6 against 41.7 in a later run, a tie kept).
+   NCHW read in place (forty-second session), same process, stream us (grouped_mma / F.conv2d):
+   of 16 on 14 x 14 TF32 33.1 / 63.0 (54.0 through the transpose), bf16 23.6 / 44.6 (33.5); of 32 on
+   7 x 7 TF32 41.5 / 42.6 (47.2), bf16 27.1 / 33.7 (31.1); of 16 at stride 2 from 28 x 28 TF32 70.0 /
+   95.8 (89.1); of 8 on 28 x 28 TF32 50.0 / 106.8 against grouped_nhwc's 68.2, and at stride 2 from
+   56 x 56 112.5 / 172.5 against 163.6.
    stem_nhwc: channels_last dense layers of 2-4 input channels (first layers: RGB, RGBA; one is
    depthwise's), and of
    5-8 where nhwc cannot take them (not whole 16-byte chunks: direct served them) or, 16-bit only,
@@ -371,8 +379,11 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
     kh, kw = spec.kernel_size
     strict = spec.dtype == "float32" and spec.math == "ieee"
     if name == "grouped_nhwc":
-        if spec.layout == "nchw":  # against igemm: up to 8 channels a group, 16 in strict float32
-            return spec.cin_per_group <= 8 or (spec.dtype == "float32" and math == "ieee")
+        if spec.layout == "nchw":  # against igemm: up to 8 channels a group, 16 in strict float32;
+            # TF32 groups of 8 (one MMA k-step) run faster on grouped_mma
+            if spec.dtype == "float32" and math == "ieee":
+                return True
+            return spec.cin_per_group < 8 or (spec.cin_per_group == 8 and spec.dtype != "float32")
         # Float32 FMAs beat nhwc's tensor cores up to 8 channels a group; past that, only where
         # nhwc would run strict float32 (3xTF32) or cannot take the group (channels that are
         # not whole 16-byte chunks).

@@ -51,12 +51,15 @@ def test_narrow_groups_in_channels_last_go_here(layer, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_narrow_groups_in_nchw_come_here_through_the_transpose(dtype):
-    # against igemm (dispatch.py, item 1): up to 8 channels a group, 16 in strict float32
+    # against igemm (dispatch.py, item 1): up to 8 channels a group, 16 in strict float32, but
+    # TF32 groups of 8 (one MMA k-step) go to grouped_mma
     for layer in ("l1", "l2"):
         cin_g, hw = RX50[layer]
         for math in ("tf32", "ieee"):
             spec = _choose(32, cin_g, hw, dtype=dtype, math=math, channels_last=False)
-            assert spec.family == "grouped_nhwc" and spec.layout == "nchw", (layer, math, spec.family)
+            tf32_k_step = dtype == "float32" and math == "tf32" and cin_g == 8
+            assert spec.family == ("grouped_mma" if tf32_k_step else "grouped_nhwc"), (layer, math, spec.family)
+            assert spec.layout == "nchw"
     # (wider groups: grouped_mma's tensor cores, test_family_grouped_mma.py; strict float32 stays)
     cin_g, hw = RX50["l3"]
     assert _choose(32, cin_g, hw, dtype=dtype, math="tf32", channels_last=False).family == "grouped_mma"
