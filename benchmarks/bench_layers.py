@@ -68,9 +68,11 @@ def _layers() -> dict[str, Case]:
         _square("r50.l3.1x1.256-1024", 32, 256, 1024, 14, 14, 1),
         _square("r50.l4.3x3", 32, 512, 512, 7, 7, 3, padding=1),
         _square("r50.l4.1x1.2048-512", 32, 2048, 512, 7, 7, 1),
-        # ResNeXt-50 32x4d: grouped 3x3s of 4 and 8 channels a group.
+        # ResNeXt-50 32x4d: the grouped 3x3 of each stage, 4, 8, 16 and 32 channels a group.
         _square("rx50.l1.g32", 32, 128, 128, 56, 56, 3, padding=1, groups=32),
+        _square("rx50.l2.g32", 32, 256, 256, 28, 28, 3, padding=1, groups=32),
         _square("rx50.l3.g32", 32, 512, 512, 14, 14, 3, padding=1, groups=32),
+        _square("rx50.l4.g32", 32, 1024, 1024, 7, 7, 3, padding=1, groups=32),
         # MobileNetV2 at batch 32: the stem (3 channels, 3x3 stride 2), depthwise 3x3s (stride 1
         # and 2) and the 1x1s around them.
         _square("mv2.stem", 32, 3, 32, 224, 224, 3, stride=2, padding=1),
