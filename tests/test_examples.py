@@ -406,4 +406,4 @@ def test_bench_layers_lists_its_layers_without_a_gpu():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layers.py"), "--list"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("\n") == 26 and "r50.stem" in r.stdout
+    assert r.stdout.count("\n") == 28 and "r50.stem" in r.stdout and "rx50.l4.g32" in r.stdout
