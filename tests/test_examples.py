@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -407,3 +408,58 @@ def test_bench_layers_lists_its_layers_without_a_gpu():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("\n") == 28 and "r50.stem" in r.stdout and "rx50.l4.g32" in r.stdout
+
+
+def _bench_variants():
+    spec = importlib.util.spec_from_file_location("bench_variants", ROOT / "benchmarks" / "bench_variants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CALL = {"input": [4, 64, 14, 14], "weight": [64, 16, 3, 3], "padding": 1, "groups": 4, "bias": True}
+
+
+def test_bench_variants_groups_records_that_differ_only_in_family_and_tiles(tmp_path):
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("\n".join(json.dumps(r) for r in (
+        {**_CALL, "precision": "tf32"},
+        {**_CALL, "precision": "tf32", "family": "grouped_mma", "tiles": {"transpose": 1}},
+        {**_CALL, "dtype": "bfloat16"},  # another call: its dtype differs
+        {**_CALL, "precision": "tf32", "family": "igemm"},
+    )) + "\n")
+    bench = _bench_variants()
+    groups, errors = bench.load_groups(str(calls))
+    assert errors == []
+    assert [[bench.variant_label(r) for _, r in members] for _, members in groups] == [
+        ["default", "grouped_mma[transpose=1]", "igemm"], ["default"]]
+    assert [o for o, _ in groups[0][1]] == [f"{calls}:1", f"{calls}:2", f"{calls}:4"]
+    assert bench.precision_of({**_CALL}) == "tf32" and bench.precision_of({**_CALL, "dtype": "float16"}) == "fp16"
+
+
+def test_bench_variants_dry_run_plans_each_variant_without_a_gpu(tmp_path):
+    calls = tmp_path / "calls.json"
+    calls.write_text(json.dumps([
+        {**_CALL, "precision": "tf32"},
+        {**_CALL, "precision": "tf32", "family": "grouped_mma", "tiles": {"transpose": 1}},
+        {**_CALL, "dtype": "bfloat16", "memory_format": "channels_last", "family": "grouped_mma",
+         "tiles": {"transpose": 1}},  # channels_last reads in place: refused, and named
+    ], indent=1))
+    script = ROOT / "benchmarks" / "bench_variants.py"
+    r = subprocess.run([sys.executable, str(script), str(calls), "--dry-run", "--arch", "sm_90a"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "# planned for sm_90a"
+    assert "grouped_mma[" in lines[2] and "transpose=0" in lines[2] and "nchw" in lines[2]
+    assert "transpose=1" in lines[3]
+    third = [i for i, line in enumerate(calls.read_text().splitlines(), 1) if line.strip() == "{"][2]
+    assert f"{calls}:{third}" in lines[5] and "FAILED" in lines[5] and "transpose=1 serves NCHW calls" in lines[5]
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps(json.loads(calls.read_text())[:2]))
+    r = subprocess.run([sys.executable, str(script), str(ok), "--dry-run", "--arch", "sm_90a"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if not torch.cuda.is_available():  # the timing itself needs a GPU, and says so
+        r = subprocess.run([sys.executable, str(script), str(ok)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "needs a CUDA device" in r.stderr
