@@ -463,3 +463,12 @@ def test_bench_variants_dry_run_plans_each_variant_without_a_gpu(tmp_path):
     if not torch.cuda.is_available():  # the timing itself needs a GPU, and says so
         r = subprocess.run([sys.executable, str(script), str(ok)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "needs a CUDA device" in r.stderr
+
+
+@pytest.mark.parametrize("calls", sorted(p.name for p in (ROOT / "benchmarks" / "calls").glob("*.jsonl")))
+def test_bench_variants_call_files_resolve(calls):
+    # The A/B call files kept in the repo must still plan (families and tile names move on).
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_variants.py"),
+                        str(ROOT / "benchmarks" / "calls" / calls), "--dry-run", "--arch", "sm_90a"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "FAILED" not in r.stdout, r.stdout + r.stderr
