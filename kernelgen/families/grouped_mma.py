@@ -156,8 +156,8 @@ class GroupedMmaFamily(Family):
         """Tiles for a problem shape.
 
         warp_n: 16 where its taps fit the registers, else 8 (a group's whole width where it is 8).
-        groups_block: as many groups as fill 128 bytes of a window pixel, at least one and no
-            more than the layer has.
+        groups_block: the most groups, a power of two, that 128 bytes of a window pixel hold, at
+            least one and no more than the layer has.
         block_q: the whole output row up to 32 pixels, else the row cut evenly into tiles of at
             most 32; block_p: the rows that bring a tile nearest TILE_PIXELS in even bands,
             halved while the window and staging do not fit.
@@ -169,7 +169,8 @@ class GroupedMmaFamily(Family):
         P, Q = max(problem.P, 1), max(problem.Q, 1)
         wn = fixed.get("warp_n", 16 if spec.cout_per_group % 16 == 0 and tap_registers(spec, 16) <= WREG_LIMIT else 8)
         per_group = spec.cin_per_group * element_size(spec)
-        gb = fixed.get("groups_block", min(max(1, 128 // per_group), 1 << (max(spec.groups, 1).bit_length() - 1), 16))
+        fill = 1 << (max(1, 128 // per_group).bit_length() - 1)  # whole groups a 128-byte pixel holds, a power of 2
+        gb = fixed.get("groups_block", min(fill, 1 << (max(spec.groups, 1).bit_length() - 1), 16))
         bq = fixed.get("block_q", Q if Q <= 32 else -(-Q // -(-Q // 32)))
         bp = fixed.get("block_p", -(-P // -(-P * bq // TILE_PIXELS)))
         bp = min(bp, TILES["block_p"][-1])
