@@ -338,6 +338,20 @@ def sampled_1x1(spec: ConvSpec, device: str, channels_last: bool) -> tuple[int, 
     return spec.stride
 
 
+def _takes(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
+    """Whether family `name` accepts the call `spec` describes (another family's spec for it),
+    with its default tiles for the shape and the call's math."""
+    fam = get_family(name)
+    if spec.layout not in fam.layouts:
+        return False
+    base = spec.replace(family=name, math=math if (fam.tf32 and spec.dtype == "float32") else "ieee", tiles=())
+    try:
+        fam.check(base.replace(tiles=tuple(fam.default_tiles(base, problem).items())))
+    except Unsupported:
+        return False
+    return True
+
+
 def _nchw_wide(spec: ConvSpec) -> bool:
     """NCHW dense k x k layers that nhwc serves faster than the NCHW families on any plane
     (module docstring, item 3): 2-9 taps from >= 96 input channels (16-bit: 128). Not strict
@@ -379,17 +393,16 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
     kh, kw = spec.kernel_size
     strict = spec.dtype == "float32" and spec.math == "ieee"
     if name == "grouped_nhwc":
-        if spec.layout == "nchw":  # against igemm: up to 8 channels a group, 16 in strict float32;
-            # TF32 groups of 8 (one MMA k-step) run faster on grouped_mma
-            if spec.dtype == "float32" and math == "ieee":
-                return True
-            return spec.cin_per_group < 8 or (spec.cin_per_group == 8 and spec.dtype != "float32")
+        if spec.dtype == "float32" and math == "ieee":
+            return True  # exact FMAs: 16 channels a group and more (nhwc's 3xTF32, igemm's)
+        if spec.layout == "nchw":  # against igemm: up to 8 channels a group, except TF32 groups of
+            # 8 (one MMA k-step), which run faster on grouped_mma where it takes them
+            return spec.cin_per_group < 8 or (spec.cin_per_group == 8 and not (
+                spec.dtype == "float32" and _takes("grouped_mma", spec, problem, math)))
         # Float32 FMAs beat nhwc's tensor cores up to 8 channels a group; past that, only where
-        # nhwc would run strict float32 (3xTF32) or cannot take the group (channels that are
-        # not whole 16-byte chunks).
+        # nhwc cannot take the group (channels that are not whole 16-byte chunks).
         vec = 4 if spec.dtype == "float32" else 8
-        return (spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
-                or (spec.dtype == "float32" and math == "ieee"))
+        return spec.cin_per_group <= 8 or spec.cin_per_group % vec != 0
     if name == "grouped_mma":  # against nhwc: groups of up to 16 input channels; NCHW (against igemm): 32
         return spec.cin_per_group <= (32 if spec.layout == "nchw" else 16)
     if name == "stem_nhwc":  # (its check: dense, at most 8 input channels) up to 4; 5-8 that nhwc cannot

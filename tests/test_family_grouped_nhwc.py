@@ -60,6 +60,10 @@ def test_narrow_groups_in_nchw_come_here_through_the_transpose(dtype):
             tf32_k_step = dtype == "float32" and math == "tf32" and cin_g == 8
             assert spec.family == ("grouped_mma" if tf32_k_step else "grouped_nhwc"), (layer, math, spec.family)
             assert spec.layout == "nchw"
+    # TF32 groups of 8 that grouped_mma cannot take stay here, not on igemm: 4 output channels a
+    # group (not whole n8 tiles), 7x7 taps (98 registers a thread)
+    assert _choose(32, 8, (28, 28), dtype=dtype, cout_g=4, channels_last=False).family == "grouped_nhwc"
+    assert _choose(32, 8, (28, 28), dtype=dtype, kernel=7, channels_last=False).family == "grouped_nhwc"
     # (wider groups: grouped_mma's tensor cores, test_family_grouped_mma.py; strict float32 stays)
     cin_g, hw = RX50["l3"]
     assert _choose(32, cin_g, hw, dtype=dtype, math="tf32", channels_last=False).family == "grouped_mma"
