@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernelgen  # noqa: E402
+from bench_cases import paired_ms, rel_err, set_tf32, tf32_round  # noqa: E402
+from bench_layers import stream_pair  # noqa: E402
 from kernelgen import functional  # noqa: E402
 from kernelgen.spec import canonical_dtype  # noqa: E402
 from kernelgen.warm import RecordError, parse_record, read_records, warm_specs  # noqa: E402
@@ -124,9 +126,6 @@ def call_summary(record: dict) -> str:
 
 
 def run_variant(record: dict, x, w, b, ref, torch_err: float) -> dict:
-    from bench_cases import paired_ms, rel_err, tf32_round
-    from bench_layers import stream_pair
-
     prec = precision_of(record)
     kw = conv_kwargs(record)
     opts = dict(family=record.get("family"), tiles=record.get("tiles"),
@@ -153,8 +152,6 @@ def run_variant(record: dict, x, w, b, ref, torch_err: float) -> dict:
 
 
 def measure(groups, rounds: int) -> list[dict]:
-    from bench_cases import rel_err, set_tf32
-
     specs = set()
     for _, members in groups:
         for origin, record in members:
