@@ -304,16 +304,10 @@ def choose(params: Mapping[str, Any], device: str, problem: Problem, channels_la
         if layout is None:
             reasons.append(f"{name}: takes layouts {list(fam.layouts)}")
             continue
-        fam_math = math if (fam.tf32 and params["dtype"] == "float32") else "ieee"
-        # Tiles first (chosen from the shape), then the family's verdict on the whole spec:
-        # its check may depend on the tiles (e.g. a k-step the dtype's MMA needs).
-        base = ConvSpec(**params, device=device, layout=layout, math=fam_math, family=name)
+        base = ConvSpec(**params, device=device, layout=layout, math=_family_math(fam, params["dtype"], math),
+                        family=name)
         try:
-            chosen = dict(fam.default_tiles(base, problem, fixed=tiles))  # may find that nothing fits
-            if tiles:
-                chosen.update(tiles)
-            spec = base.replace(tiles=tuple(chosen.items()))
-            fam.check(spec)
+            spec = _family_spec(fam, base, problem, tiles)
         except Unsupported as exc:
             reasons.append(f"{name}: {exc}")
             continue
@@ -338,15 +332,31 @@ def sampled_1x1(spec: ConvSpec, device: str, channels_last: bool) -> tuple[int, 
     return spec.stride
 
 
+def _family_math(fam, dtype: str, math: str) -> str:
+    """The math a family runs a call in: the call's for float32 on a TF32-capable family, else exact."""
+    return math if (fam.tf32 and dtype == "float32") else "ieee"
+
+
+def _family_spec(fam, base: ConvSpec, problem: Problem, tiles: Mapping[str, int] | None = None) -> ConvSpec:
+    """`fam`'s spec for the call `base` describes: tiles first (chosen from the shape, `tiles`
+    forced over them), then the family's verdict on the whole spec, since its check may depend on
+    the tiles (e.g. a k-step the dtype's MMA needs). Raises Unsupported."""
+    chosen = dict(fam.default_tiles(base, problem, fixed=tiles))  # may find that nothing fits
+    if tiles:
+        chosen.update(tiles)
+    spec = base.replace(tiles=tuple(chosen.items()))
+    fam.check(spec)
+    return spec
+
+
 def _takes(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
     """Whether family `name` accepts the call `spec` describes (another family's spec for it),
     with its default tiles for the shape and the call's math."""
     fam = get_family(name)
     if spec.layout not in fam.layouts:
         return False
-    base = spec.replace(family=name, math=math if (fam.tf32 and spec.dtype == "float32") else "ieee", tiles=())
     try:
-        fam.check(base.replace(tiles=tuple(fam.default_tiles(base, problem).items())))
+        _family_spec(fam, spec.replace(family=name, math=_family_math(fam, spec.dtype, math), tiles=()), problem)
     except Unsupported:
         return False
     return True
