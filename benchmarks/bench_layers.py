@@ -135,6 +135,20 @@ def warm(layers, precisions, formats) -> None:
     print(f"# warmed {len(results)} kernels" + (f"; FAILED: {failed}" if failed else ""), flush=True)
 
 
+def accuracy_bound(precision: str, x, w, b, kw: dict, ref, torch_err: float) -> tuple[float, str]:
+    """(bound, rule) on the relative error against `ref` (float64) by ../shared/PERF.md: 1e-5 for
+    exact float32 (and float64); for TF32 1.5x the larger of F.conv2d's error and TF32's own, the
+    exact convolution of the TF32-rounded operands (cuDNN runs some layers in full float32 even
+    with TF32 allowed: depthwise, small ones); for 16-bit 1.5x F.conv2d's."""
+    if precision in ("ieee", "fp64"):
+        return 1e-5, "<= 1e-5"
+    if precision == "tf32":
+        tf32_err = rel_err(F.conv2d(tf32_round(x).double(), tf32_round(w).double(),
+                                    None if b is None else b.double(), **kw), ref)
+        return 1.5 * max(torch_err, tf32_err), "<= 1.5x TF32's"
+    return 1.5 * torch_err, "<= 1.5x F.conv2d's"
+
+
 def run_layer(layer: Case, precision: str, fmt: str) -> dict:
     set_tf32(precision != "ieee")
     x, w = _tensors(layer, precision, fmt, "cuda")
@@ -152,15 +166,7 @@ def run_layer(layer: Case, precision: str, fmt: str) -> dict:
     ref = F.conv2d(x[:n].double(), w.double(), **kw)
     kg_err = rel_err(y[:n], ref)
     torch_err = rel_err(F.conv2d(x[:n], w, **kw), ref)
-    if precision == "ieee":
-        bound, rule = 1e-5, "<= 1e-5"
-    elif precision == "tf32":
-        # cuDNN runs some layers in full float32 even with TF32 allowed (depthwise, small ones):
-        # then the bar is TF32's own error, the exact convolution of the TF32-rounded operands.
-        tf32_err = rel_err(F.conv2d(tf32_round(x[:n]).double(), tf32_round(w).double(), **kw), ref)
-        bound, rule = 1.5 * max(torch_err, tf32_err), "<= 1.5x TF32's"
-    else:
-        bound, rule = 1.5 * torch_err, "<= 1.5x F.conv2d's"
+    bound, rule = accuracy_bound(precision, x[:n], w, None, kw, ref, torch_err)
     layout_ok = y.is_contiguous(memory_format=torch.channels_last if fmt == "cl" else torch.contiguous_format)
     return dict(layer=layer.name, shape=asdict(layer), precision=precision, format=fmt, kernelgen_ms=kg_ms,
                 torch_ms=torch_ms, speedup=torch_ms / kg_ms, kernelgen_stream_ms=kg_stream,

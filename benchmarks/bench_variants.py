@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernelgen  # noqa: E402
-from bench_cases import paired_ms, rel_err, set_tf32, tf32_round  # noqa: E402
-from bench_layers import stream_pair  # noqa: E402
+from bench_cases import paired_ms, rel_err, set_tf32  # noqa: E402
+from bench_layers import accuracy_bound, stream_pair  # noqa: E402
 from kernelgen import functional  # noqa: E402
 from kernelgen.spec import canonical_dtype  # noqa: E402
 from kernelgen.warm import RecordError, parse_record, read_records, warm_specs  # noqa: E402
@@ -118,14 +118,14 @@ def dry_run(groups, arch: str, wide_dram: bool) -> int:
 
 
 def call_summary(record: dict) -> str:
-    kw = ", ".join(f"{k}={record[k]}" for k in ("stride", "padding", "dilation", "groups") if k in record)
+    kw = ", ".join(f"{k}={v}" for k, v in conv_kwargs(record).items())
     fmt = " channels_last" if record.get("memory_format") == "channels_last" else ""
     prec = f"/{record['precision']}" if record.get("precision") else ""
     return (f"{record.get('dtype', 'float32')}{prec}{fmt} x{tuple(record['input'])} w{tuple(record['weight'])}"
             f"{' bias' if record.get('bias') else ''}{(' ' + kw) if kw else ''}")
 
 
-def run_variant(record: dict, x, w, b, ref, torch_err: float) -> dict:
+def run_variant(record: dict, x, w, b, ref, bound: tuple[float, str]) -> dict:
     prec = precision_of(record)
     kw = conv_kwargs(record)
     opts = dict(family=record.get("family"), tiles=record.get("tiles"),
@@ -134,21 +134,13 @@ def run_variant(record: dict, x, w, b, ref, torch_err: float) -> dict:
     fk, ft = (lambda: kernelgen.conv2d(x, w, b, **kw, **opts)), (lambda: F.conv2d(x, w, b, **kw))
     y = fk()
     err = rel_err(y, ref)
-    if prec in ("ieee", "fp64"):
-        bound, rule = 1e-5, "<= 1e-5"
-    elif prec == "tf32":
-        tf32_err = rel_err(F.conv2d(tf32_round(x).double(), tf32_round(w).double(),
-                                    None if b is None else b.double(), **kw), ref)
-        bound, rule = 1.5 * max(torch_err, tf32_err), "<= 1.5x TF32's"
-    else:
-        bound, rule = 1.5 * torch_err, "<= 1.5x F.conv2d's"
     kg_ms, torch_ms = paired_ms(fk, ft, rounds=2, reps=10)
     kg_stream, torch_stream, tries = stream_pair(fk, ft, kg_ms, torch_ms)
     return dict(variant=variant_label(record), spec=spec.summary(), family=spec.family, tiles=dict(spec.tiles),
                 kernelgen_stream_ms=kg_stream, torch_stream_ms=torch_stream,
                 stream_speedup=torch_stream / kg_stream, stream_tries=tries, kernelgen_ms=kg_ms, torch_ms=torch_ms,
-                speedup=torch_ms / kg_ms, rel_err=err, torch_rel_err=torch_err, accuracy_rule=rule,
-                accurate=bool(torch.isfinite(y).all()) and err <= bound)
+                speedup=torch_ms / kg_ms, rel_err=err, accuracy_rule=bound[1],
+                accurate=bool(torch.isfinite(y).all()) and err <= bound[0])
 
 
 def measure(groups, rounds: int) -> list[dict]:
@@ -173,13 +165,14 @@ def measure(groups, rounds: int) -> list[dict]:
         kw = conv_kwargs(first)
         ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw)
         torch_err = rel_err(F.conv2d(x, w, b, **kw), ref)
+        bound = accuracy_bound(precision_of(first), x, w, b, kw, ref, torch_err)  # once a call, not a variant
         for r in range(rounds):
             for origin, record in members:
                 try:
-                    row = run_variant(record, x, w, b, ref, torch_err)
+                    row = run_variant(record, x, w, b, ref, bound)
                 except Exception as exc:  # a variant that fails is a row, not the end of the table
                     row = dict(variant=variant_label(record), error=f"{type(exc).__name__}: {exc}")
-                row.update(call=call_summary(record), origin=origin, round=r + 1)
+                row.update(call=call_summary(record), origin=origin, round=r + 1, torch_rel_err=torch_err)
                 rows.append(row)
                 print(format_row(row), flush=True)
     return rows
