@@ -344,7 +344,8 @@ def test_bench_ceiling_says_it_has_nothing_to_measure_without_a_gpu():
 @pytest.mark.nvcc
 @pytest.mark.compile
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("name", ["store_patterns.cu", "store_lines.cu", "store_strips.cu"])
+@pytest.mark.parametrize("name", ["store_patterns.cu", "store_lines.cu", "store_strips.cu", "move87.cu",
+                                  "pw87_tile.cu"])
 def test_store_benchmarks_compile(name, tmp_path):
     # The stand-alone CUDA benchmarks the results and templates cite must keep building.
     r = subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(tmp_path / "b"), str(ROOT / "benchmarks" / name)],
