@@ -10,8 +10,9 @@
 // two blocks an SM): rel err 2.607e-04; 4.735-4.738 ms with plain stores, 4.750-4.756 streaming,
 // against the movement alone 4.591-4.596 and F.conv2d 4.594 (min) in a process between two runs;
 // kernelgen's persistent `pointwise` measured 4.662-4.687 on the same cards. So computing in this
-// structure costs 3% over its movement, more than cuDNN's kernel pays. The 64-pixel variants (four
-// blocks an SM, 112 registers) were added after the device time ran out: not yet run.
+// structure costs 3% over its movement, more than cuDNN's kernel pays. Added after the device time
+// ran out, not yet run: 64-pixel tiles (three or four blocks an SM, 107 registers), and loads in two
+// groups of 32 channels whose MMAs start as each lands (KS = 2), as CUTLASS's k-tiles do.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -44,7 +45,14 @@ __global__ void round_w(const float* w, float* wr) {
   if (i < COUT * CIN) wr[i] = __uint_as_float(tf32(w[i]));
 }
 
-template <int BP, int MINB, int PLAIN>
+template <int N_>
+__device__ __forceinline__ void wait_groups() {  // until at most N_ committed groups are pending
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory");
+}
+
+// KS: the tile's loads in KS groups of CIN / KS channels (input rows and weight columns), the MMAs
+// of each group starting as soon as it lands.
+template <int BP, int MINB, int PLAIN, int KS = 1>
 __global__ void __launch_bounds__(128, MINB) pw(const float* __restrict__ x, const float* __restrict__ wr,
                                              float* __restrict__ y) {
   using T = Tile<BP>;
@@ -57,21 +65,25 @@ __global__ void __launch_bounds__(128, MINB) pw(const float* __restrict__ x, con
   const long long n = blockIdx.x / tiles_per_image;
   const long long p0 = (blockIdx.x - n * tiles_per_image) * BP;
   const float* xs = x + n * CIN * HW + p0;
-  // loads: W 128 x 64 floats (16 chunks of 16 B a row), X 64 x BP (XCH chunks a row)
+  // loads: W 128 x 64 floats (16 chunks of 16 B a row), X 64 x BP (XCH chunks a row); group h
+  // takes X rows and W columns h * KC .. h * KC + KC - 1
+  constexpr int KC = CIN / KS, WQ = KC / 4;  // channels a group, W chunks a row a group
 #pragma unroll
-  for (int i = 0; i < CIN * XCH / 128; ++i) {
-    const int c = tid + 128 * i;
-    const int r = c / XCH, q = c % XCH;  // X row r (channel), chunk q
-    cp16(Xs + r * XS + 4 * q, xs + r * HW + 4 * q);
-  }
+  for (int h = 0; h < KS; ++h) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int c = tid + 128 * i;
-    const int r = c >> 4, q = c & 15;  // W row r (output channel), chunk q
-    cp16(Ws + r * WS + 4 * q, wr + r * CIN + 4 * q);
+    for (int i = 0; i < KC * XCH / 128; ++i) {
+      const int c = tid + 128 * i;
+      const int r = h * KC + c / XCH, q = c % XCH;  // X row r (channel), chunk q
+      cp16(Xs + r * XS + 4 * q, xs + r * HW + 4 * q);
+    }
+#pragma unroll
+    for (int i = 0; i < 128 * WQ / 128; ++i) {
+      const int c = tid + 128 * i;
+      const int r = c / WQ, q = h * WQ + c % WQ;  // W row r (output channel), chunk q
+      cp16(Ws + r * WS + 4 * q, wr + r * CIN + 4 * q);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-  __syncthreads();
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp / WNC, wn = warp % WNC;  // 16 MT channels x 64 pixels a warp
   float acc[MT][8][4];
@@ -83,6 +95,10 @@ __global__ void __launch_bounds__(128, MINB) pw(const float* __restrict__ x, con
       for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
 #pragma unroll
   for (int k = 0; k < CIN; k += 8) {
+    if (k % KC == 0) {  // group k / KC has landed (for every thread: the barrier)
+      if (KS == 1 || k / KC == KS - 1) wait_groups<0>(); else wait_groups<1>();
+      __syncthreads();
+    }
     unsigned af[MT][4], bf[8][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -202,6 +218,8 @@ int main() {
       {"pw 64 px, 4 an SM, plain", pw<64, 4, 1>, 64, Tile<64>::SMEM},
       {"pw 64 px, 4 an SM, streaming", pw<64, 4, 0>, 64, Tile<64>::SMEM},
       {"pw 64 px, 3 an SM, plain", pw<64, 3, 1>, 64, Tile<64>::SMEM},
+      {"pw 128 px, 2 an SM, plain, 2 load groups", pw<128, 2, 1, 2>, 128, Tile<128>::SMEM},
+      {"pw 64 px, 4 an SM, plain, 2 load groups", pw<64, 4, 1, 2>, 64, Tile<64>::SMEM},
   };
   constexpr int NV = sizeof(vars) / sizeof(vars[0]);
   for (auto& v : vars) {
