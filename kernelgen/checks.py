@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConvArgumentError
-from .spec import DTYPES, ConvSpec, canonical_dtype
+from .spec import DTYPES, ConvSpec, canonical_dtype, index, pair
 
 _FLOAT_DTYPES = {getattr(torch, name) for name in DTYPES}
 
@@ -70,10 +70,24 @@ def check_tensors(input, weight, bias) -> None:
         raise ConvArgumentError(f"kernelgen.conv2d runs on CUDA and CPU tensors, not {input.device.type}")
 
 
+def groups_arg(groups) -> int:
+    """`groups` as an int, taken as F.conv2d takes it (numpy integers too); TypeError otherwise."""
+    g = index(groups)
+    if g is None:
+        raise TypeError(f"conv2d(): argument 'groups' must be int, not {type(groups).__name__}")
+    return g
+
+
+def padding_arg(padding):
+    """A call's padding in the forms F.conv2d takes: 'same', 'valid' (left to the spec), an int or a
+    sequence of one or two ints (as (h, w)). The spec also takes its own canonical four pads
+    (top, bottom, left, right), which a caller must not pass: F.conv2d refuses four values."""
+    return padding if isinstance(padding, str) else pair("padding", padding)
+
+
 def check_shapes(input: torch.Tensor, weight: torch.Tensor, bias, groups) -> None:
     """Ranks, channels, groups and bias against each other, in F.conv2d's order."""
-    if isinstance(groups, bool) or not isinstance(groups, int):
-        raise TypeError(f"conv2d(): argument 'groups' must be int, not {type(groups).__name__}")
+    groups = groups_arg(groups)
     if groups <= 0:
         raise ConvArgumentError(f"non-positive groups is not supported, got groups={groups}")
     if input.dim() not in (3, 4):
@@ -124,9 +138,10 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device
 
 def spec_params(input: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> dict:
     """The spec fields a call determines, after check_shapes (family, layout, math, tiles come later)."""
+    groups = groups_arg(groups)
     return dict(
         in_channels=int(weight.shape[1]) * groups, out_channels=int(weight.shape[0]),
         kernel_size=(int(weight.shape[2]), int(weight.shape[3])),
-        stride=stride, padding=padding, dilation=dilation, groups=groups,
+        stride=stride, padding=padding_arg(padding), dilation=dilation, groups=groups,
         dtype=canonical_dtype(input.dtype), bias=bias is not None,
     )

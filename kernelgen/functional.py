@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import numbers
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
@@ -92,12 +93,19 @@ def observe_meta_calls(callback: Callable[..., None]) -> Iterator[None]:
         _meta_observers.remove(callback)
 
 
-def _hashable(v: Any) -> Any:
-    if isinstance(v, list):
-        return tuple(v)
+def _key(v: Any) -> Any:
+    """A call parameter as plain values for the plan signature, which becomes a plan record's JSON:
+    ints, strings and tuples of them (numpy integers as ints; tiles as sorted pairs). TypeError for
+    anything else (a tensor as a stride), which sends the call down the full path unplanned."""
+    if v.__class__ is int or v.__class__ is str:
+        return v
+    if isinstance(v, (list, tuple)):
+        return tuple(_key(e) for e in v)
     if isinstance(v, Mapping):
-        return tuple(sorted(v.items()))
-    return v
+        return tuple(sorted((_key(k), _key(e)) for k, e in v.items()))
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    raise TypeError(f"not a plain parameter: {v!r}")
 
 
 def _cuda_target(index: int) -> tuple[str, bool]:
@@ -150,10 +158,11 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             math = None
         sig = (input.shape, input.stride(), dtype, input.device, weight.shape, weight.stride(), weight.dtype,
                weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
-               stride if stride.__class__ is int else _hashable(stride),
-               padding if padding.__class__ is int else _hashable(padding),
-               dilation if dilation.__class__ is int else _hashable(dilation),
-               groups, math, family, None if tiles is None else _hashable(tiles))
+               stride if stride.__class__ is int else _key(stride),
+               padding if padding.__class__ is int else _key(padding),
+               dilation if dilation.__class__ is int else _key(dilation),
+               groups if groups.__class__ is int else _key(groups), math, family,
+               None if tiles is None else _key(tiles))
         plan = _plans.get(sig)
     except (AttributeError, TypeError):  # not tensors, or unhashable parameters: the full path explains
         sig, plan = None, None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -29,14 +29,27 @@ SCALAR_T = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"
 ACC_T = {"float32": "float", "float16": "float", "bfloat16": "float", "float64": "double"}
 
 
+def index(value: Any) -> int | None:
+    """`value` as an int where F.conv2d takes it as one: an int, a numpy integer, a one-element
+    integer tensor (anything with __index__); None for anything else. Bools (and bool tensors)
+    are None too: bool is an int in Python, but `stride=True` is a bug, not a stride."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _int(name: str, value: Any) -> int:
-    # bool is an int in Python, but `stride=True` is a bug, not a stride.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    v = index(value)
+    if v is None:
         raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r} ({type(value).__name__})")
-    return int(value)
+    return v
 
 
-def _pair(name: str, value: Any) -> tuple[int, int]:
+def pair(name: str, value: Any) -> tuple[int, int]:
+    """An int or a sequence of one or two ints as (h, w), with F.conv2d's errors."""
     if isinstance(value, (tuple, list)):
         if len(value) == 1:
             value = (value[0], value[0])
@@ -79,7 +92,7 @@ def resolve_padding(padding: Any, kernel: tuple[int, int], stride: tuple[int, in
                 pads += [total // 2, total - total // 2]
             return tuple(pads)  # type: ignore[return-value]
         raise ConvArgumentError(f"Invalid padding string '{padding}', should be one of ['valid', 'same']")
-    ph, pw = _pair("padding", padding)
+    ph, pw = pair("padding", padding)
     if ph < 0 or pw < 0:
         raise ConvArgumentError(f"negative padding is not supported, got padding={padding!r}")
     return (ph, ph, pw, pw)
@@ -134,9 +147,9 @@ class ConvSpec:
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        kernel = _pair("kernel_size", self.kernel_size)
-        stride = _pair("stride", self.stride)
-        dilation = _pair("dilation", self.dilation)
+        kernel = pair("kernel_size", self.kernel_size)
+        stride = pair("stride", self.stride)
+        dilation = pair("dilation", self.dilation)
         if min(kernel) <= 0:
             raise ConvArgumentError(f"kernel size must be positive, got kernel_size={kernel}")
         if min(stride) <= 0:

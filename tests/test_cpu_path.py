@@ -49,6 +49,23 @@ def test_matches_f_conv2d(xshape, wshape, kw, bias):
     assert rel_err(y, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("form", ["numpy", "tensor"])
+def test_integer_like_parameters(form):
+    # F.conv2d takes numpy integers and one-element integer tensors as ints, and so does kernelgen
+    # (they once reached a plan record's JSON and failed there). The first case's spec: no new build.
+    if form == "numpy":
+        np = pytest.importorskip("numpy")
+        i = np.int64
+    else:
+        i = lambda v: torch.tensor([v])  # noqa: E731
+    x = torch.randn(2, 8, 17, 19)
+    w = torch.randn(16, 4, 3, 5)
+    kw = dict(stride=(i(2), 1), padding=(1, i(2)), dilation=[1, i(2)], groups=i(2))
+    y = kernelgen.conv2d(x, w, **kw)
+    assert rel_err(y, reference(x, w, None, stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)) <= 1e-5
+    assert torch.equal(kernelgen.conv2d(x, w, **kw), y)  # the second call: planned (numpy) or not (tensor)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
 def test_dtypes(dtype):
     x = torch.randn(2, 4, 13, 11)

@@ -35,6 +35,11 @@ CASES = [
     ((x, w), dict(padding=(1, "1")), TypeError, None),
     ((x, w), dict(groups=1.0), TypeError, None),
     ((x, w), dict(stride=(1, 1, 1)), RuntimeError, "list of 2 values"),
+    # four pads are the spec's own canonical form, not an argument F.conv2d takes
+    ((x, w), dict(padding=(1, 1, 1, 1)), RuntimeError, "list of 2 values"),
+    ((x, w), dict(padding=[1, 2, 3]), RuntimeError, "list of 2 values"),
+    ((x, w), dict(stride=torch.tensor(2.0)), TypeError, None),
+    ((x, w), dict(stride=(True, 1)), TypeError, None),
     ((3, w), {}, TypeError, "must be Tensor"),
 ]
 
