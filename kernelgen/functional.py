@@ -394,10 +394,9 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         if prep == 3 and x.data_ptr() % 16:  # a view between two 16-byte boundaries: a dense copy from one
             x = x.clone()
         w = weight if plan.w_asis else weight.contiguous()
-        if bias is None:
-            b = 0
-        else:
-            b = (bias if plan.b_contig else bias.contiguous()).data_ptr()
+        # (each copy stays bound to a name until the launch: a temporary freed before it could be
+        # handed to the workspace below, or reused by the host's heap, and read as the bias)
+        b = bias if bias is None or plan.b_contig else bias.contiguous()
         if input.is_cuda:
             dev = plan.args[-1]
             stream = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
@@ -405,8 +404,8 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             stream = 0
         # Scratch from the caching allocator on this stream, so its reuse stays stream-ordered.
         ws = torch.empty(plan.ws, dtype=torch.uint8, device=input.device) if plan.ws else None
-        plan.launch(x.data_ptr(), w.data_ptr(), b, y.data_ptr(), *plan.args, stream,
-                    0 if ws is None else ws.data_ptr())
+        plan.launch(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), *plan.args,
+                    stream, 0 if ws is None else ws.data_ptr())
     return y.squeeze(0) if plan.squeeze else y
 
 

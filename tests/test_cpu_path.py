@@ -121,6 +121,19 @@ def _weight_views(shape):
             ("broadcast", one.expand(K, C, kh, kw))]
 
 
+@pytest.mark.parametrize("kind", ["strided", "expanded"])
+def test_bias_that_is_not_contiguous(kind):
+    # Such a bias is copied to contiguous for the launch. The copy once was a temporary freed
+    # before the launch, whose memory the host's heap (or the workspace, on CUDA) handed on:
+    # the outputs were 1e13 off.
+    x = torch.randn(2, 8, 14, 14)
+    w = torch.randn(6, 8, 3, 3)
+    b = torch.randn(12)[::2] if kind == "strided" else torch.randn(1).expand(6)
+    for _ in range(3):  # the first call plans, the later ones run the plan
+        y = kernelgen.conv2d(x, w, b, padding=1)
+        assert rel_err(y, reference(x, w, b, padding=1)) <= 1e-5
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_weights_are_read_through_their_strides(groups):
     """Kernels read a weight where it lies (KgW): every layout gives F.conv2d's answer, and

@@ -1232,6 +1232,25 @@ def test_each_specialisation_compiles_once():
     assert kernelgen.stats()["compiles"] == before
 
 
+@pytest.mark.parametrize("xshape,wshape,kw", [
+    ((4, 64, 14, 14), (64, 64, 3, 3), dict(padding=1)),        # NCHW on small planes: a workspace
+    ((2, 64, 32, 32), (128, 64, 1, 1), {}),                    # pointwise
+    ((2, 32, 20, 20), (32, 1, 3, 3), dict(groups=32, padding=1)),  # depthwise
+])
+@pytest.mark.parametrize("kind", ["strided", "expanded"])
+def test_bias_that_is_not_contiguous(kind, xshape, wshape, kw):
+    # The contiguous copy of such a bias must live until its launch: freed before it, its block
+    # could become the call's workspace (tests/test_cpu_path.py has the CPU side).
+    x = torch.randn(*xshape, device="cuda")
+    w = torch.randn(*wshape, device="cuda")
+    K = wshape[0]
+    b = torch.randn(2 * K, device="cuda")[::2] if kind == "strided" else torch.randn(1, device="cuda").expand(K)
+    ref = F.conv2d(x.double(), w.double(), b.double(), **kw)
+    for _ in range(3):  # planning, then the plan
+        y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, precision="ieee", **kw), ref.numel(), x.dtype)
+        assert rel_err(y, ref) <= 1e-5
+
+
 def test_current_stream_is_used():
     x = torch.randn(4, 16, 64, 64, device="cuda")
     w = torch.randn(32, 16, 3, 3, device="cuda")
