@@ -40,8 +40,24 @@ def _size(t: torch.Tensor) -> list[int]:
 
 
 def is_channels_last(t: torch.Tensor) -> bool:
-    """torch's suggest_memory_format() for a 4-D tensor, for the cases that matter."""
-    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+    """Whether torch's Tensor.suggest_memory_format() says channels_last for `t`: what decides
+    F.conv2d's output format, so ambiguous tensors (size-1 dimensions, views) must read alike.
+
+    Read from the channels outwards (C, W, H, N), each stride must reach at least the span of
+    the dimensions before it. No channels_last for a zero channel stride, an empty dimension, or
+    a batch stride equal to the channel stride (an N111 tensor, or an N11W one sliced down to a
+    column: torch keeps NCHW for those)."""
+    if t.dim() != 4:
+        return False
+    size, stride = t.shape, t.stride()
+    if stride[1] == 0:
+        return False
+    span = 0
+    for d in (1, 3, 2, 0):
+        if size[d] == 0 or stride[d] < span or (d == 0 and span == stride[1]):
+            return False
+        span = stride[d] * size[d]
+    return True
 
 
 def check_tensors(input, weight, bias) -> None:
