@@ -1251,6 +1251,25 @@ def test_bias_that_is_not_contiguous(kind, xshape, wshape, kw):
         assert rel_err(y, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nhwc,K,k", [((4, 32, 32, 1), 16, 3), ((4, 32, 32, 1), 1, 3), ((8, 1, 1, 64), 32, 1),
+                                      ((2, 16, 1, 24), 24, 1)])
+def test_ambiguous_layouts_keep_f_conv2d_format(dtype, nhwc, K, k):
+    # Views of NHWC buffers that are NCHW-dense too (one channel, 1 x 1 or 1-wide planes): torch
+    # reads their strides as channels_last, so F.conv2d's output is channels_last, and so must
+    # kernelgen's be (checks.is_channels_last; tests/test_random_calls.py on the CPU).
+    x = torch.randn(*nhwc, device="cuda", dtype=dtype).permute(0, 3, 1, 2)
+    w = torch.randn(K, x.shape[1], k, k, device="cuda", dtype=dtype)
+    ref = F.conv2d(x.double(), w.double(), padding=k // 2)
+    expected = F.conv2d(x, w, padding=k // 2)
+    y = call_poisoned(lambda: kernelgen.conv2d(x, w, padding=k // 2, precision="ieee"), ref.numel(), dtype)
+    assert y.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
+        memory_format=torch.channels_last)
+    assert y.stride() == expected.stride() or y.is_contiguous() == expected.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else max(1.5 * rel_err(expected, ref), 1e-3)
+    assert rel_err(y, ref) <= tol
+
+
 def test_current_stream_is_used():
     x = torch.randn(4, 16, 64, 64, device="cuda")
     w = torch.randn(32, 16, 3, 3, device="cuda")
