@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from . import plans
+from . import compiled, plans
 from .kernels import count, load_entry, load_kernel, workspace_bytes
 from .precision import check_override, torch_fp32_conv_math
 
@@ -63,6 +63,7 @@ _plans: dict[Any, Plan] = {}
 _target_by_device: dict[int, tuple[str, bool]] = {}
 _planning_targets: list[tuple[str, bool]] = []
 _meta_observers: list[Callable[..., None]] = []
+_compiling = torch.compiler.is_compiling
 
 
 @contextlib.contextmanager
@@ -147,6 +148,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Autograd: the forward is differentiable-aware but kernelgen has no backward
     kernels yet; calling backward through it raises NotImplementedError.
     """
+    if _compiling():  # torch.compile is tracing: the call becomes one operator of the graph
+        return compiled.call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
             observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
@@ -409,6 +412,10 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y.squeeze(0) if plan.squeeze else y
 
 
+NO_BACKWARD = ("kernelgen.conv2d has no backward kernels yet: it computes forward passes (inference). Train with "
+               "torch.nn.functional.conv2d, or run kernelgen under torch.no_grad()/torch.inference_mode().")
+
+
 @functools.lru_cache(maxsize=None)
 def _no_backward() -> type:
     """The autograd Function that carries requires_grad through the forward; its backward
@@ -426,9 +433,7 @@ def _no_backward() -> type:
 
         @staticmethod
         def backward(ctx, grad):  # type: ignore[override]
-            raise NotImplementedError("kernelgen.conv2d has no backward kernels yet: it computes forward passes "
-                                      "(inference). Train with torch.nn.functional.conv2d, or run kernelgen under "
-                                      "torch.no_grad()/torch.inference_mode().")
+            raise NotImplementedError(NO_BACKWARD)
 
     return _NoBackward
 

@@ -1,0 +1,100 @@
+"""kernelgen.conv2d under torch.compile: one custom operator, so that a compiled graph keeps each call whole.
+
+Dynamo cannot trace kernelgen.conv2d itself (plan lookups, cache files, a C++ launch), so it would
+break the graph around every call. While torch.compile traces, conv2d hands its call to the
+operator `kernelgen::conv2d` instead (functional.conv2d checks torch.compiler.is_compiling()). The
+operator's fake implementation gives the output's shape, dtype and format from the same checks
+conv2d runs, without choosing or building a kernel; its real implementation is conv2d itself, run
+eagerly by the compiled graph, so the kernels, the cache and the current stream are those of an
+eager call.
+
+The operators are defined when kernelgen is imported (about 5 ms): Dynamo must find them defined,
+not trace their definitions. The call's arguments go in forms a schema can hold: stride, dilation
+and padding as int lists (padding 'same' or 'valid' as `padding_mode`), tiles as JSON. conv2d has
+no backward kernels, so the operator's backward is a second operator, `kernelgen::conv2d_backward`,
+that raises what an eager backward raises when it runs: a graph whose parameters require grad
+still compiles (its backward is traced then) and runs forward.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from typing import Mapping, Optional
+
+import torch
+
+
+@torch.library.custom_op("kernelgen::conv2d", mutates_args=())
+def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
+              padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
+              precision: Optional[str], family: Optional[str], tiles: Optional[str]) -> torch.Tensor:
+    """The call, computed eagerly by kernelgen.conv2d (its output is always a new tensor)."""
+    from .functional import conv2d
+
+    return conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups, precision=precision,
+                  family=family, tiles=None if tiles is None else json.loads(tiles))
+
+
+@conv2d_op.register_fake
+def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles):
+    """The output conv2d would return, from conv2d's own checks; no kernel is chosen or built."""
+    from . import checks
+    from .spec import ConvSpec
+
+    checks.check_tensors(input, weight, bias)
+    checks.check_shapes(input, weight, bias, groups)
+    params = checks.spec_params(input, weight, bias, stride, padding_mode or padding, dilation, groups)
+    call = checks.check_call(input, weight, ConvSpec(**params), input.device.type)
+    shape = (call.K, call.P, call.Q) if call.unbatched else (call.N, call.K, call.P, call.Q)
+    return torch.empty(shape, dtype=input.dtype, device=input.device,
+                       memory_format=torch.channels_last if call.channels_last else torch.contiguous_format)
+
+
+@torch.library.custom_op("kernelgen::conv2d_backward", mutates_args=())
+def backward_op(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """What a compiled graph's backward through conv2d runs: it explains, as an eager backward does.
+    (An operator rather than a formula that raises: a graph with parameters that require grad
+    traces its backward when it compiles, and must compile.)"""
+    from .functional import NO_BACKWARD
+
+    raise NotImplementedError(NO_BACKWARD)
+
+
+@backward_op.register_fake
+def _fake_backward(grad, input, weight, bias):
+    return [torch.empty_like(input), torch.empty_like(weight)] + ([] if bias is None else [torch.empty_like(bias)])
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
+    ctx.has_bias = inputs[2] is not None
+
+
+def _backward(ctx, grad):
+    input, weight, bias = ctx.saved_tensors
+    grads = backward_op(grad, input, weight, bias if ctx.has_bias else None)
+    return (grads[0], grads[1], grads[2] if ctx.has_bias else None) + (None,) * 8
+
+
+conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _ints(name: str, value) -> list[int]:
+    # (the schema's int lists; ConvSpec, in the fake implementation, checks lengths and signs with
+    # F.conv2d's messages; here only what a schema cannot hold fails)
+    items = list(value) if isinstance(value, (list, tuple)) else [value, value]
+    if any(isinstance(v, bool) for v in items):
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}")
+    return [operator.index(v) for v in items]
+
+
+def call(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
+         tiles: Mapping[str, int] | None) -> torch.Tensor:
+    """conv2d's call through the operator, its arguments in the schema's forms (int lists; padding
+    'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here."""
+    mode = padding if isinstance(padding, str) else None
+    return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
+                     mode, _ints("dilation", dilation), _ints("groups", groups)[0], precision, family,
+                     None if tiles is None else json.dumps(dict(tiles), sort_keys=True))

@@ -1,0 +1,82 @@
+"""Compile tier: kernelgen under torch.compile (kernelgen/compiled.py), on the CPU family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelgen
+from kernelgen.functional import NO_BACKWARD
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(kernelgen.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(),
+                               kernelgen.Conv2d(8, 6, (3, 5), stride=(2, 1), padding="valid", groups=2))
+
+
+def test_one_graph_without_breaks():
+    # Dynamo cannot trace conv2d's launch: without the operator each call broke the graph.
+    m = _model()
+    x = torch.randn(2, 4, 16, 16)
+    explained = torch._dynamo.explain(m)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("kernelgen.conv2d" in op for op in ops), ops
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_inductor_matches_eager(channels_last):
+    m = _model()
+    x = torch.randn(2, 4, 16, 16)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        eager = m(x)
+        y = torch.compile(m, fullgraph=True)(x)
+    assert torch.equal(y, eager)  # the same kernels, run by the graph
+    assert y.is_contiguous(memory_format=torch.channels_last) == eager.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_functional_forms_and_dynamic_shapes():
+    w = torch.randn(6, 2, 3, 3)
+    b = torch.randn(6)
+
+    def f(x):
+        return kernelgen.conv2d(x, w, b, stride=1, padding="same", dilation=(2, 1), groups=2)
+
+    g = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    for shape in ((1, 4, 9, 11), (3, 4, 12, 7)):
+        x = torch.randn(*shape)
+        ref = F.conv2d(x.double(), w.double(), b.double(), padding="same", dilation=(2, 1), groups=2)
+        y = g(x)
+        assert y.shape == ref.shape
+        assert ((y.double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_bad_arguments_fail_while_tracing():
+    w = torch.randn(6, 4, 3, 3)
+    g = torch.compile(lambda x: kernelgen.conv2d(x, w, stride=0), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="non-positive stride"):
+        g(torch.randn(1, 4, 8, 8))
+
+
+def test_backward_explains_as_eager_does():
+    # parameters that require grad: the graph compiles (its backward is traced then) and runs
+    # forward; running its backward raises eager's message
+    m = _model()
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(torch.randn(2, 4, 16, 16))
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError) as info:
+        y.sum().backward()
+    assert str(info.value) == NO_BACKWARD
