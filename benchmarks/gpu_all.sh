@@ -5,8 +5,8 @@
 # back eight).
 #
 #   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests (or its parts, below) examples bench layers
-#                                            ceiling machinery
-#                                            (default: all)
+#                                            ceiling machinery move87
+#                                            (default: all but move87)
 #
 # The tier takes more than one device call (about 17 minutes on the H100, each call at most 10):
 # `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck1` and `tests-memcheck2`
@@ -30,7 +30,7 @@ mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
 status=0
 # The logs the stages below append to start empty.
 if want examples; then : > "$out/examples.log"; fi
-if want bench || want layers || want ceiling || want machinery; then : > "$out/benches.log"; fi
+if want bench || want layers || want ceiling || want machinery || want move87; then : > "$out/benches.log"; fi
 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
   | tee "$out/env.txt"
@@ -71,6 +71,14 @@ fi
 if want machinery; then
   python3 benchmarks/bench_machinery.py --json "$out/bench_machinery.json" 2>&1 | tee -a "$out/benches.log"
   status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want move87; then
+  # Case 87's structure: its movement in block shapes (move87.cu) and the one-block-a-tile TF32
+  # prototype (pw87_tile.cu), stand-alone CUDA programs, each built and run here.
+  for prog in move87 pw87_tile; do
+    nvcc -O3 -arch=sm_90 -o "/tmp/kg_$prog" "benchmarks/$prog.cu" && "/tmp/kg_$prog" 2>&1 | tee -a "$out/benches.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+  done
 fi
 echo "gpu_all.sh${stages% }: exit status $status"
 exit $status

@@ -356,8 +356,9 @@ def test_store_benchmarks_compile(name, tmp_path):
 def test_profiling_scripts_parse():
     # The Nsight Compute wrapper is only run on the GPU host: its bash and the case runner's
     # options (--padding for case 63's aligned twin) must at least parse here.
-    r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "ncu_cases.sh")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    for script in ("ncu_cases.sh", "gpu_all.sh"):
+        r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], capture_output=True, text=True)
+        assert r.returncode == 0, (script, r.stderr)
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_case.py"), "--help"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
