@@ -1270,6 +1270,25 @@ def test_ambiguous_layouts_keep_f_conv2d_format(dtype, nhwc, K, k):
     assert rel_err(y, ref) <= tol
 
 
+def test_torch_compile_runs_kernelgen_kernels():
+    # kernelgen/compiled.py: one operator a call in the graph, computed by the eager path's kernels
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(kernelgen.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+                            kernelgen.Conv2d(32, 32, 1), kernelgen.Conv2d(32, 32, 3, groups=32, padding=1)).cuda()
+    x = torch.randn(4, 16, 24, 24, device="cuda")
+    with torch.no_grad():
+        eager = m(x)
+        y = torch.compile(m, fullgraph=True)(x)
+        xc = x.contiguous(memory_format=torch.channels_last)
+        yc = torch.compile(m, fullgraph=True)(xc)
+    assert rel_err(y, eager.double()) <= 1e-6  # (a split reduction's atomics may order sums differently)
+    assert yc.is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert rel_err(yc, m(xc).double()) <= 1e-6
+    torch._dynamo.reset()
+
+
 def test_current_stream_is_used():
     x = torch.randn(4, 16, 64, 64, device="cuda")
     w = torch.randn(32, 16, 3, 3, device="cuda")
