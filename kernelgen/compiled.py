@@ -81,13 +81,16 @@ def _backward(ctx, grad):
 conv2d_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return operator.index(value)
+
+
 def _ints(name: str, value) -> list[int]:
     # (the schema's int lists; ConvSpec, in the fake implementation, checks lengths and signs with
     # F.conv2d's messages; here only what a schema cannot hold fails)
-    items = list(value) if isinstance(value, (list, tuple)) else [value, value]
-    if any(isinstance(v, bool) for v in items):
-        raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r}")
-    return [operator.index(v) for v in items]
+    return [_int(name, v) for v in (value if isinstance(value, (list, tuple)) else (value, value))]
 
 
 def call(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
@@ -96,5 +99,5 @@ def call(input, weight, bias, stride, padding, dilation, groups, precision: str 
     'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here."""
     mode = padding if isinstance(padding, str) else None
     return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
-                     mode, _ints("dilation", dilation), _ints("groups", groups)[0], precision, family,
+                     mode, _ints("dilation", dilation), _int("groups", groups), precision, family,
                      None if tiles is None else json.dumps(dict(tiles), sort_keys=True))

@@ -64,17 +64,20 @@ def test_functional_forms_and_dynamic_shapes():
         assert ((y.double() - ref).norm() / ref.norm()).item() <= 1e-5
 
 
-def test_bad_arguments_fail_while_tracing():
+@pytest.mark.parametrize("kw,message", [(dict(stride=0), "non-positive stride"), (dict(groups=(2,)), None),
+                                        (dict(padding=(1, 1, 1, 1)), "list of 2 values")])
+def test_bad_arguments_fail_while_tracing(kw, message):
     w = torch.randn(6, 4, 3, 3)
-    g = torch.compile(lambda x: kernelgen.conv2d(x, w, stride=0), backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="non-positive stride"):
+    g = torch.compile(lambda x: kernelgen.conv2d(x, w, **kw), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=message):
         g(torch.randn(1, 4, 8, 8))
 
 
-def test_backward_explains_as_eager_does():
+@pytest.mark.parametrize("bias", [True, False])
+def test_backward_explains_as_eager_does(bias):
     # parameters that require grad: the graph compiles (its backward is traced then) and runs
     # forward; running its backward raises eager's message
-    m = _model()
+    m = torch.nn.Sequential(kernelgen.Conv2d(4, 8, 3, padding=1, bias=bias), torch.nn.ReLU())
     y = torch.compile(m, backend="aot_eager", fullgraph=True)(torch.randn(2, 4, 16, 16))
     assert y.requires_grad
     with pytest.raises(NotImplementedError) as info:
