@@ -109,6 +109,15 @@ def _key(v: Any) -> Any:
     raise TypeError(f"not a plain parameter: {v!r}")
 
 
+def _autocast(device_type: str, *tensors):
+    """The tensors as F.conv2d takes them under torch.autocast: conv2d is one of autocast's
+    lower-precision ops, so every floating tensor but a float64 one is cast to the region's dtype
+    (torch.get_autocast_dtype). Non-tensors are left for the checks to explain."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+                 and t.dtype is not torch.float64 else t for t in tensors)
+
+
 def _cuda_target(index: int) -> tuple[str, bool]:
     """(arch, wide_dram) of a GPU, read once per process: what dispatch and plan records key on."""
     target = _target_by_device.get(index)
@@ -147,7 +156,12 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     Autograd: the forward is differentiable-aware but kernelgen has no backward
     kernels yet; calling backward through it raises NotImplementedError.
+
+    Under torch.autocast the call computes in the region's dtype, as F.conv2d does.
     """
+    device_type = getattr(getattr(input, "device", None), "type", None)
+    if (device_type == "cuda" or device_type == "cpu") and torch.is_autocast_enabled(device_type):
+        input, weight, bias = _autocast(device_type, input, weight, bias)
     if _compiling():  # torch.compile is tracing: the call becomes one operator of the graph
         return compiled.call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:

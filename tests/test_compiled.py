@@ -48,6 +48,16 @@ def test_inductor_matches_eager(channels_last):
     assert y.is_contiguous(memory_format=torch.channels_last) == eager.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_autocast_inside_the_graph():
+    m = _model()
+    x = torch.randn(2, 4, 16, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = m(x)
+        y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    assert y.dtype == eager.dtype == torch.bfloat16
+    assert torch.equal(y, eager)
+
+
 def test_functional_forms_and_dynamic_shapes():
     w = torch.randn(6, 2, 3, 3)
     b = torch.randn(6)

@@ -121,6 +121,23 @@ def _weight_views(shape):
             ("broadcast", one.expand(K, C, kh, kw))]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_computes_in_the_region_dtype(dtype):
+    # conv2d is one of autocast's lower-precision ops: F.conv2d casts its floating arguments (not
+    # float64 ones) to the region's dtype, and so must a drop-in (it once computed float32, and
+    # refused a bfloat16 activation with float32 weights)
+    x, w, b = torch.randn(2, 4, 9, 9), torch.randn(6, 4, 3, 3), torch.randn(6)
+    with torch.autocast("cpu", dtype=dtype):
+        y = kernelgen.conv2d(x, w, b, padding=1)
+        mixed = kernelgen.conv2d(x.to(dtype), w, b, padding=1)
+        wide = kernelgen.conv2d(x.double(), w.double(), padding=1)
+        assert F.conv2d(x, w, b, padding=1).dtype == dtype
+    assert y.dtype == mixed.dtype == dtype and wide.dtype == torch.float64
+    cast = kernelgen.conv2d(x.to(dtype), w.to(dtype), b.to(dtype), padding=1)
+    assert torch.equal(y, cast) and torch.equal(mixed, cast)
+    assert kernelgen.conv2d(x, w, b, padding=1).dtype == torch.float32  # outside the region
+
+
 @pytest.mark.parametrize("kind", ["strided", "expanded"])
 def test_bias_that_is_not_contiguous(kind):
     # Such a bias is copied to contiguous for the launch. The copy once was a temporary freed

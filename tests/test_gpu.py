@@ -1270,6 +1270,21 @@ def test_ambiguous_layouts_keep_f_conv2d_format(dtype, nhwc, K, k):
     assert rel_err(y, ref) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_computes_in_the_region_dtype(dtype):
+    # as F.conv2d under torch.autocast: float32 arguments cast to the region's dtype
+    x = torch.randn(4, 32, 28, 28, device="cuda")
+    w = torch.randn(64, 32, 3, 3, device="cuda")
+    b = torch.randn(64, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, padding=1), 4 * 64 * 28 * 28, dtype)
+        expected = F.conv2d(x, w, b, padding=1)
+    assert y.dtype == expected.dtype == dtype
+    xc, wc, bc = x.to(dtype), w.to(dtype), b.to(dtype)
+    ref = F.conv2d(xc.double(), wc.double(), bc.double(), padding=1)
+    assert rel_err(y, ref) <= max(1.5 * rel_err(expected, ref), 1e-3)
+
+
 def test_torch_compile_runs_kernelgen_kernels():
     # kernelgen/compiled.py: one operator a call in the graph, computed by the eager path's kernels
     torch._dynamo.reset()
