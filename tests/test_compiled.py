@@ -48,6 +48,17 @@ def test_inductor_matches_eager(channels_last):
     assert y.is_contiguous(memory_format=torch.channels_last) == eager.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_holds_the_operator(strict):
+    m = _model().eval()
+    x = torch.randn(2, 4, 16, 16)
+    ep = torch.export.export(m, (x,), strict=strict)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count("kernelgen.conv2d.default") == 2, targets
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x), m(x))
+
+
 def test_autocast_inside_the_graph():
     m = _model()
     x = torch.randn(2, 4, 16, 16)
