@@ -7,6 +7,10 @@ import torch.nn.functional as F
 
 from .functional import conv2d
 
+# torch.fx.symbolic_trace records a call of this module's conv2d as one node rather than tracing
+# into it (its checks and plan lookups cannot take proxies).
+torch.fx.wrap("conv2d")
+
 
 class Conv2d(torch.nn.Conv2d):
     """A drop-in for torch.nn.Conv2d: same constructor, parameters and state_dict.

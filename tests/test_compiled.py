@@ -1,4 +1,4 @@
-"""Compile tier: kernelgen under torch.compile (kernelgen/compiled.py), on the CPU family."""
+"""Compile tier: kernelgen in captured graphs (torch.compile, torch.export, torch.fx), on the CPU family."""
 
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ def test_export_holds_the_operator(strict):
     assert targets.count("kernelgen.conv2d.default") == 2, targets
     with torch.no_grad():
         assert torch.equal(ep.module()(x), m(x))
+
+
+def test_fx_symbolic_trace_keeps_each_call_whole():
+    # kernelgen.nn wraps its conv2d for torch.fx: a call is one node, not a trace into checks
+    # that cannot take proxies (symbolic_trace failed on any model of kernelgen.Conv2d)
+    m = torch.nn.Sequential(kernelgen.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(),
+                            kernelgen.Conv2d(8, 8, 3, padding="same", padding_mode="reflect"))
+    g = torch.fx.symbolic_trace(m)
+    calls = [n for n in g.graph.nodes if n.op == "call_function" and n.target is kernelgen.conv2d]
+    assert len(calls) == 2
+    x = torch.randn(2, 4, 9, 9)
+    with torch.no_grad():
+        assert torch.equal(g(x), m(x))
 
 
 def test_autocast_inside_the_graph():
