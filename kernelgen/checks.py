@@ -101,8 +101,9 @@ def padding_arg(padding):
     return padding if isinstance(padding, str) else pair("padding", padding)
 
 
-def check_shapes(input: torch.Tensor, weight: torch.Tensor, bias, groups) -> None:
-    """Ranks, channels, groups and bias against each other, in F.conv2d's order."""
+def check_shapes(input: torch.Tensor, weight: torch.Tensor, bias, groups) -> int:
+    """Ranks, channels, groups and bias against each other, in F.conv2d's order; returns groups as
+    an int (for spec_params)."""
     groups = groups_arg(groups)
     if groups <= 0:
         raise ConvArgumentError(f"non-positive groups is not supported, got groups={groups}")
@@ -127,6 +128,7 @@ def check_shapes(input: torch.Tensor, weight: torch.Tensor, bias, groups) -> Non
     if K == 0 or weight.shape[1] == 0:
         raise ConvArgumentError(f"kernelgen.conv2d needs at least one input and one output channel; weight has "
                                 f"size {_size(weight)}")
+    return groups
 
 
 def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device: str) -> Call:
@@ -153,8 +155,8 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device
 
 
 def spec_params(input: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> dict:
-    """The spec fields a call determines, after check_shapes (family, layout, math, tiles come later)."""
-    groups = groups_arg(groups)
+    """The spec fields a call determines, after check_shapes, whose int `groups` it takes (family,
+    layout, math, tiles come later)."""
     return dict(
         in_channels=int(weight.shape[1]) * groups, out_channels=int(weight.shape[0]),
         kernel_size=(int(weight.shape[2]), int(weight.shape[3])),

@@ -43,7 +43,7 @@ def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
     from .spec import ConvSpec
 
     checks.check_tensors(input, weight, bias)
-    checks.check_shapes(input, weight, bias, groups)
+    groups = checks.check_shapes(input, weight, bias, groups)
     params = checks.spec_params(input, weight, bias, stride, padding_mode or padding, dilation, groups)
     call = checks.check_call(input, weight, ConvSpec(**params), input.device.type)
     shape = (call.K, call.P, call.Q) if call.unbatched else (call.N, call.K, call.P, call.Q)

@@ -208,7 +208,7 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
 
     check_override(precision)
     checks.check_tensors(input, weight, bias)
-    checks.check_shapes(input, weight, bias, groups)
+    groups = checks.check_shapes(input, weight, bias, groups)
     params = checks.spec_params(input, weight, bias, stride, padding, dilation, groups)
     probe = ConvSpec(**params)  # validates the parameters; family/tiles are chosen below
     device = device or input.device.type
