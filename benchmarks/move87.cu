@@ -9,6 +9,12 @@
 // form (128 or 256 pixels, 2-8 blocks an SM, registers or cp.async into shared memory, plain or
 // streaming stores); F.conv2d in a process between the two runs 4.598. So one block a tile reaches
 // cuDNN's time with movement alone; the persistent interleaved walk is 0.6-0.9% slower.
+// Forty-fourth session, H100, three runs (F.conv2d 4.594-4.632 in processes beside them): v1/v2
+// 4.584-4.635; v3 (a persistent grid taking tiles in order from a counter) 4.619-4.634 with 4
+// blocks an SM, 4.655-4.669 with 2, against v0's 4.625-4.636: taking tiles in order does not move
+// the bytes faster. v4 (cp.async with a 256-byte L2 prefetch hint) 4.608-4.627 against 4.614
+// without. On an H200 (one run): v0 3.349, v1 3.309-3.341, v3 3.316 (4 an SM). Nothing here moves
+// 87's bytes faster than 4.58 ms on the H100.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -97,6 +103,72 @@ __global__ void __launch_bounds__(128) v2(const int4* __restrict__ x, int4* __re
   }
 }
 
+// V4: V2 (cp.async into shared memory, then whole rows out) with an L2 hint on the copies. LH: 0
+// none, 1 a 256-byte L2 prefetch on each copy. SH: 0 plain stores, 1 streaming (.cs).
+template <int VT, int LH, int SH>
+__global__ void __launch_bounds__(128) v4(const int4* __restrict__ x, int4* __restrict__ y) {
+  constexpr int G = 128 / VT, J = CIN / G;
+  extern __shared__ int4 s4[];  // [CIN][VT]
+  const long long per_image = PLANE / VT;
+  const long long t = blockIdx.x;
+  const long long n = t / per_image, v0_ = (t - n * per_image) * VT;
+  const int lane_v = threadIdx.x % VT, g = threadIdx.x / VT;
+  const int4* xs = x + n * CIN * PLANE + v0_ + lane_v;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int c = g + G * j;
+    unsigned dst = (unsigned)__cvta_generic_to_shared(s4 + c * VT + lane_v);
+    const int4* src = xs + (long long)c * PLANE;
+    if (LH == 0) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+    if (LH == 1) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();
+  int4* ys = y + n * 2 * CIN * PLANE + v0_ + lane_v;
+#pragma unroll 8
+  for (int j = 0; j < 2 * J; ++j) {
+    const int co = g + G * j;
+    const int4 o = s4[(co / 2) * VT + lane_v];
+    int4* p = ys + (long long)co * PLANE;
+    if (SH == 0) *p = o;
+    if (SH == 1) __stcs(p, o);
+  }
+}
+
+// V3: V1's tile body in a persistent grid whose blocks take tiles in order from a counter (so the
+// tiles in flight stay one contiguous window), where V0's fixed interleave lets blocks drift apart.
+__device__ unsigned long long next_tile;
+__global__ void __launch_bounds__(128) v3(const int4* __restrict__ x, int4* __restrict__ y, long long tiles) {
+  __shared__ long long tile;
+  const long long per_image = PLANE / 32;
+  const int g = threadIdx.x / 32;
+  for (;;) {
+    if (threadIdx.x == 0) tile = (long long)atomicAdd(&next_tile, 1ull);
+    __syncthreads();
+    const long long t = tile;
+    __syncthreads();
+    if (t >= tiles) return;
+    const long long n = t / per_image, v = (t - n * per_image) * 32 + threadIdx.x % 32;
+    const int4* xs = x + n * CIN * PLANE + v;
+    int4* ys = y + n * 2 * CIN * PLANE + v;
+    int4 r[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) r[j] = __ldg(xs + (long long)(g + 4 * j) * PLANE);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      int4* p = ys + (long long)(2 * (g + 4 * j)) * PLANE;
+      p[0] = r[j];
+      p[PLANE] = r[j];
+    }
+  }
+}
+static void v3_launch(const int4* x, int4* y, int blocks_an_sm, int nsm) {
+  void* ctr;
+  CK(cudaGetSymbolAddress(&ctr, next_tile));
+  CK(cudaMemsetAsync(ctr, 0, 8));
+  v3<<<blocks_an_sm * nsm, 128, 200 * 1024 / blocks_an_sm>>>(x, y, (long long)N * PLANE / 32);
+}
+
 static float run(void (*launch)(const int4*, int4*), const int4* x, int4* y, cudaEvent_t a, cudaEvent_t b) {
   CK(cudaEventRecord(a));
   launch(x, y);
@@ -121,7 +193,8 @@ int main() {
   CK(cudaMemset(x, 1, xb));
   const int TILES128 = N * PLANE / 32;   // 128-pixel tiles
   const int TILES256 = N * PLANE / 64;
-  for (auto f : {(const void*)v1<32, 1>, (const void*)v1<32, 0>, (const void*)v1<64, 1>, (const void*)v2<32>, (const void*)v2<64>})
+  for (auto f : {(const void*)v1<32, 1>, (const void*)v1<32, 0>, (const void*)v1<64, 1>, (const void*)v2<32>, (const void*)v2<64>, (const void*)v3,
+                 (const void*)v4<32, 0, 0>, (const void*)v4<32, 1, 0>, (const void*)v4<32, 1, 1>, (const void*)v4<64, 1, 0>})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   // shared memory a block so that k blocks share an SM: 228 KB / k, less the 1 KB reserved each
   // (24 KB would let 8 share one; v1<32, 1>'s 80 registers let 6)
@@ -138,6 +211,12 @@ int main() {
       L("v2 tile 128px, cp.async to smem, 2/SM", (v2<32><<<TILES128, 128, 100 * 1024>>>(x, y))),
       L("v2 tile 128px, cp.async to smem, 4/SM", (v2<32><<<TILES128, 128, 50 * 1024>>>(x, y))),
       L("v2 tile 256px, cp.async to smem, 2/SM", (v2<64><<<TILES256, 128, 100 * 1024>>>(x, y))),
+      L("v4 128px cp.async, no hints, plain, 2/SM", (v4<32, 0, 0><<<TILES128, 128, 100 * 1024>>>(x, y))),
+      L("v4 128px cp.async L2::256B, plain, 2/SM", (v4<32, 1, 0><<<TILES128, 128, 100 * 1024>>>(x, y))),
+      L("v4 128px cp.async L2::256B, streaming, 2/SM", (v4<32, 1, 1><<<TILES128, 128, 100 * 1024>>>(x, y))),
+      L("v4 256px cp.async L2::256B, plain, 2/SM", (v4<64, 1, 0><<<TILES256, 128, 100 * 1024>>>(x, y))),
+      L("v3 persistent, tiles from a counter, 2/SM", v3_launch(x, y, 2, nsm)),
+      L("v3 persistent, tiles from a counter, 4/SM", v3_launch(x, y, 4, nsm)),
   };
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));

@@ -10,9 +10,12 @@
 // two blocks an SM): rel err 2.607e-04; 4.735-4.738 ms with plain stores, 4.750-4.756 streaming,
 // against the movement alone 4.591-4.596 and F.conv2d 4.594 (min) in a process between two runs;
 // kernelgen's persistent `pointwise` measured 4.662-4.687 on the same cards. So computing in this
-// structure costs 3% over its movement, more than cuDNN's kernel pays. Added after the device time
-// ran out, not yet run: 64-pixel tiles (three or four blocks an SM, 107 registers), and loads in two
-// groups of 32 channels whose MMAs start as each lands (KS = 2), as CUTLASS's k-tiles do.
+// structure costs 3% over its movement, more than cuDNN's kernel pays.
+// Forty-fourth session. H100: 64-pixel tiles 4.984-5.002 (3 or 4 blocks an SM, plain or
+// streaming, one or two load groups); 128 pixels with two load groups (MMAs start when the first
+// 32 channels land) 4.734 against 4.739 with one; the movement 4.590. H200 (one run, movement
+// 3.336): 128 pixels 3.663, three blocks an SM 3.649, 8 warps 3.657-3.664, fragments stored
+// straight from registers 5.98-9.40. None comes within 3% of its movement.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -23,10 +26,10 @@
 constexpr int N = 16, CIN = 64, COUT = 128;
 constexpr long long HW = 1 << 20;
 constexpr int WS = 68;            // W row stride in floats (bank (4co + ci))
-template <int BP> struct Tile {
+template <int BP, int NW = 4> struct Tile {
   static constexpr int XS = BP + 8;  // X row stride (bank (8ci + px)); also the output staging's
   static constexpr int SMEM = 128 * WS * 4 + CIN * XS * 4;
-  static constexpr int WNC = BP / 64, WMC = 4 / WNC, MT = COUT / WMC / 16;  // warps along px, co; m-tiles a warp
+  static constexpr int WNC = BP / 64, WMC = NW / WNC, MT = COUT / WMC / 16;  // warps along px, co; m-tiles a warp
   static_assert(COUT * XS * 4 <= SMEM, "the staged tile fits");
 };
 
@@ -51,11 +54,13 @@ __device__ __forceinline__ void wait_groups() {  // until at most N_ committed g
 }
 
 // KS: the tile's loads in KS groups of CIN / KS channels (input rows and weight columns), the MMAs
-// of each group starting as soon as it lands.
-template <int BP, int MINB, int PLAIN, int KS = 1>
-__global__ void __launch_bounds__(128, MINB) pw(const float* __restrict__ x, const float* __restrict__ wr,
+// of each group starting as soon as it lands. NW: warps a block. PLAIN: 0 streaming stores from the
+// staged tile, 1 plain ones, 2 each thread's fragments stored straight from registers (no staging).
+template <int BP, int MINB, int PLAIN, int KS = 1, int NW = 4>
+__global__ void __launch_bounds__(32 * NW, MINB) pw(const float* __restrict__ x, const float* __restrict__ wr,
                                              float* __restrict__ y) {
-  using T = Tile<BP>;
+  using T = Tile<BP, NW>;
+  constexpr int NT = 32 * NW;
   constexpr int XS = T::XS, MT = T::MT, WNC = T::WNC, XCH = BP / 4;  // 16-byte chunks an X row
   extern __shared__ __align__(16) float sm[];
   float* Ws = sm;                 // [128][WS]
@@ -71,14 +76,14 @@ __global__ void __launch_bounds__(128, MINB) pw(const float* __restrict__ x, con
 #pragma unroll
   for (int h = 0; h < KS; ++h) {
 #pragma unroll
-    for (int i = 0; i < KC * XCH / 128; ++i) {
-      const int c = tid + 128 * i;
+    for (int i = 0; i < KC * XCH / NT; ++i) {
+      const int c = tid + NT * i;
       const int r = h * KC + c / XCH, q = c % XCH;  // X row r (channel), chunk q
       cp16(Xs + r * XS + 4 * q, xs + r * HW + 4 * q);
     }
 #pragma unroll
-    for (int i = 0; i < 128 * WQ / 128; ++i) {
-      const int c = tid + 128 * i;
+    for (int i = 0; i < 128 * WQ / NT; ++i) {
+      const int c = tid + NT * i;
       const int r = c / WQ, q = h * WQ + c % WQ;  // W row r (output channel), chunk q
       cp16(Ws + r * WS + 4 * q, wr + r * CIN + 4 * q);
     }
@@ -123,6 +128,18 @@ __global__ void __launch_bounds__(128, MINB) pw(const float* __restrict__ x, con
                      : "+f"(acc[mt][nt][0]), "+f"(acc[mt][nt][1]), "+f"(acc[mt][nt][2]), "+f"(acc[mt][nt][3])
                      : "r"(af[mt][0]), "r"(af[mt][1]), "r"(af[mt][2]), "r"(af[mt][3]), "r"(bf[nt][0]), "r"(bf[nt][1]));
   }
+  if (PLAIN == 2) {  // 8 lanes a row, 32 bytes each: one sector
+    float* yb = y + n * COUT * HW + p0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int co = wm * MT * 16 + mt * 16 + g, px = wn * 64 + nt * 8 + 2 * t;
+        *reinterpret_cast<float2*>(yb + co * HW + px) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+        *reinterpret_cast<float2*>(yb + (co + 8) * HW + px) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+      }
+    return;
+  }
   __syncthreads();  // every warp is done with W and X: the tile is staged over them
   float* Ys = sm;  // [128][XS]
 #pragma unroll
@@ -139,7 +156,7 @@ __global__ void __launch_bounds__(128, MINB) pw(const float* __restrict__ x, con
   const int lr = lane / XCH, lq = lane % XCH;
   float* yb = y + n * COUT * HW + p0 + 4 * lq;
 #pragma unroll 8
-  for (int r = warp * RPW + lr; r < COUT; r += 4 * RPW) {
+  for (int r = warp * RPW + lr; r < COUT; r += NW * RPW) {
     const float4 v = *reinterpret_cast<const float4*>(Ys + r * XS + 4 * lq);
     if (PLAIN) *reinterpret_cast<float4*>(yb + r * HW) = v;
     else __stcs(reinterpret_cast<float4*>(yb + r * HW), v);
@@ -211,24 +228,24 @@ int main() {
   ref_kernel<<<(unsigned)((ny + 255) / 256), 256>>>(x, w, ref);
   CK(cudaGetLastError());
   CK(cudaFuncSetAttribute(move, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024));
-  struct Var { const char* name; void (*k)(const float*, const float*, float*); int bp, smem; };
+  struct Var { const char* name; void (*k)(const float*, const float*, float*); int bp, smem, nt; };
   Var vars[] = {
-      {"pw 128 px, 2 an SM, plain", pw<128, 2, 1>, 128, Tile<128>::SMEM},
-      {"pw 128 px, 2 an SM, streaming", pw<128, 2, 0>, 128, Tile<128>::SMEM},
-      {"pw 64 px, 4 an SM, plain", pw<64, 4, 1>, 64, Tile<64>::SMEM},
-      {"pw 64 px, 4 an SM, streaming", pw<64, 4, 0>, 64, Tile<64>::SMEM},
-      {"pw 64 px, 3 an SM, plain", pw<64, 3, 1>, 64, Tile<64>::SMEM},
-      {"pw 128 px, 2 an SM, plain, 2 load groups", pw<128, 2, 1, 2>, 128, Tile<128>::SMEM},
-      {"pw 64 px, 4 an SM, plain, 2 load groups", pw<64, 4, 1, 2>, 64, Tile<64>::SMEM},
+      {"pw 128 px, 2 an SM, plain", pw<128, 2, 1>, 128, Tile<128>::SMEM, 128},
+      {"pw 128 px, 3 an SM, plain", pw<128, 3, 1>, 128, Tile<128>::SMEM, 128},
+      {"pw 128 px, 2 an SM, fragments", pw<128, 2, 2>, 128, Tile<128>::SMEM, 128},
+      {"pw 128 px, 3 an SM, fragments", pw<128, 3, 2>, 128, Tile<128>::SMEM, 128},
+      {"pw 128 px, 8 warps, 2 an SM, plain", pw<128, 2, 1, 1, 8>, 128, Tile<128, 8>::SMEM, 256},
+      {"pw 128 px, 8 warps, 2 an SM, fragments", pw<128, 2, 2, 1, 8>, 128, Tile<128, 8>::SMEM, 256},
+      {"pw 128 px, 8 warps, 2 an SM, 2 load groups", pw<128, 2, 1, 2, 8>, 128, Tile<128, 8>::SMEM, 256},
   };
   constexpr int NV = sizeof(vars) / sizeof(vars[0]);
   for (auto& v : vars) {
     CK(cudaFuncSetAttribute(v.k, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
     int bps = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, v.k, 128, v.smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bps, v.k, v.nt, v.smem));
     CK(cudaMemset(y, 0xFF, ny * 4));  // NaN: an unwritten element fails
     round_w<<<32, 256>>>(w, wr);
-    v.k<<<(unsigned)(N * HW / v.bp), 128, v.smem>>>(x, wr, y);
+    v.k<<<(unsigned)(N * HW / v.bp), v.nt, v.smem>>>(x, wr, y);
     CK(cudaGetLastError());
     CK(cudaMemset(e, 0, 16));
     err_kernel<<<1024, 256>>>(y, ref, e);
@@ -247,7 +264,7 @@ int main() {
         CK(cudaEventRecord(a));
         if (v < NV) {
           round_w<<<32, 256>>>(w, wr);
-          vars[v].k<<<(unsigned)(N * HW / vars[v].bp), 128, vars[v].smem>>>(x, wr, y);
+          vars[v].k<<<(unsigned)(N * HW / vars[v].bp), vars[v].nt, vars[v].smem>>>(x, wr, y);
         } else {
           move<<<(unsigned)(N * HW / 128), 128, 100 * 1024>>>((const int4*)x, (int4*)y, 0);
         }
