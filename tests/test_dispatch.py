@@ -15,6 +15,7 @@ import pytest
 
 from kernelgen import dispatch
 from kernelgen.families import get_family
+from kernelgen.errors import ConvArgumentError
 from kernelgen.spec import ConvSpec, Problem
 
 
@@ -66,3 +67,21 @@ def test_groups_whose_pixels_do_not_fill_128_bytes_evenly(cin_g, dtype, channels
                     math="tf32" if dtype == "float32" else "ieee", family="grouped_mma")
     gb = fam.default_tiles(base, problem)["groups_block"]
     assert gb in fam.tiles["groups_block"] and gb * cin_g * (4 if dtype == "float32" else 2) <= 128 or gb == 1
+
+
+@pytest.mark.parametrize("family,kernel,tiles,why", [
+    ("pointwise", (1, 1), {"block_n": 256, "async_x": 2, "block_k": 64, "min_blocks": 1}, "shared memory"),
+    ("igemm", (3, 3), {"tile_p": 16, "tile_q": 128, "warps_m": 1, "warps_n": 1}, "accumulators"),
+    ("wgmma", (3, 3), {"tile_p": 16, "tile_q": 128}, "accumulators"),
+])
+def test_forced_tiles_that_fit_no_configuration_say_which_and_why(family, kernel, tiles, why):
+    """The refusal names the tiles the caller forced and the first candidate's reason, once, and
+    not the placeholder tiles of the spec being chosen."""
+    params = dict(in_channels=64, out_channels=128, kernel_size=kernel, stride=1, padding=0, dilation=1, groups=1,
+                  dtype="float32", bias=False)
+    problem = Problem(N=16, H=1024, W=1024, P=1024 - kernel[0] + 1, Q=1024 - kernel[1] + 1, arch="sm_90a")
+    with pytest.raises(ConvArgumentError) as info:
+        dispatch.choose(params, "cuda", problem, False, "tf32", family=family, tiles=tiles)
+    msg = str(info.value)
+    assert f"with the forced tiles {tiles}" in msg and why in msg, msg
+    assert f"{family}: {family}:" not in msg and "block_k=8," not in msg, msg

@@ -37,6 +37,14 @@ def staged_row(pixels: int, esize: int) -> int:
     return need + (rem - need) % step
 
 
+def no_fit(fixed: Mapping[str, int] | None, reasons: list[str]) -> str:
+    """The message of a family that found no tiles: the tiles the caller forced, if any, and why
+    the first candidate failed."""
+    forced = f" with the forced tiles {dict(fixed)}" if fixed else ""
+    why = reasons[0] if reasons else "the forced tiles take none of its candidates' values"
+    return f"no tile configuration fits{forced} ({why})"
+
+
 def first_fit(check: Callable[[dict], None], walks: Iterable[tuple[Mapping[str, int], Iterable[tuple[int, int]]]],
               fixed: Mapping[str, int]) -> dict:
     """The first tiles that `check` accepts (it raises Unsupported): for each (base, depths) in
@@ -56,7 +64,8 @@ def first_fit(check: Callable[[dict], None], walks: Iterable[tuple[Mapping[str, 
                 reasons.append(str(exc))
                 continue
             return cand
-    raise Unsupported(f"no tile configuration fits ({reasons[0] if reasons else 'no ring depth matches the fixed tiles'})")
+    raise Unsupported(no_fit(fixed, reasons) if reasons else
+                      f"no tile configuration fits with the forced tiles {dict(fixed)} (no ring depth matches them)")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, staged_row
+from .base import SM_SMEM, SMEM_LIMIT, Family, no_fit, staged_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -330,6 +330,7 @@ class GemmFamily(Family):
                     for full in fulls:
                         for tp, tq in shapes:
                             tiles.append({**base, "tile_p": tp, "tile_q": tq, "full_kh": full})
+        reasons: list[str] = []
         for cand in tiles:
             cand = {k: v for k, v in cand.items() if k in self.tiles}
             cand.update(fixed or {})  # forced tiles hold; the loop finds the rest around them
@@ -346,16 +347,19 @@ class GemmFamily(Family):
             if spec.dtype == "float32" and spec.math == "ieee":
                 regs += lay["MT"] * 4
             if regs > 240:  # would spill even alone on the SM
+                reasons.append(f"about {regs} registers a thread for {lay['ACC_PER_THREAD']} accumulators "
+                               f"and {lay['PREFETCH_WORDS']} prefetch words")
                 continue
             fits2 = 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and regs * lay["NTH"] * 2 <= 65536
             if "min_blocks" not in cand:  # else as measured
                 cand["min_blocks"] = 2 if fits2 else 1
             try:
                 self.check_tiles(spec, cand)
-            except Unsupported:
+            except Unsupported as exc:
+                reasons.append(str(exc))
                 continue
             return cand
-        raise Unsupported(f"{self.name}: no tile configuration fits {spec.summary()}")
+        raise Unsupported(no_fit(fixed, reasons))
 
 
 _COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "bfloat16"), tf32=True)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, staged_row
+from .base import SM_SMEM, SMEM_LIMIT, Family, no_fit, staged_row
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -442,6 +442,7 @@ class WgmmaFamily(Family):
             order = [(so, 1, *shape, 0, 0) for so in (1, 0) for shape in shapes]
             order += [(so, 0, *shape, 0, 0) for shape in shapes for so in (0, 1)]
         forced_ws = (fixed or {}).get("ws")
+        reasons: list[str] = []
         for stage, ws, (ck, full, _slots), tp, tqs, nbuf, areg, strip in order:
             if ck > 128 or (k_total >= 512 and ws and forced_ws == 0):
                 continue  # (a caller who forces ws=0 gets the order without a producer)
@@ -450,7 +451,8 @@ class WgmmaFamily(Family):
                     "overlap": 0, "ws": ws, "a_regs": areg, "strip": strip, **(fixed or {})}
             try:
                 self.check_tiles(spec, cand)
-            except Unsupported:
+            except Unsupported as exc:
+                reasons.append(str(exc))
                 continue
             if (k_total >= 512 and cand["ws"] and cand["stage_out"] and "stage_out" not in (fixed or {})
                     and not self.layout(spec, cand)["RSTAGE"]):
@@ -465,7 +467,7 @@ class WgmmaFamily(Family):
                 except Unsupported:
                     pass
             return cand
-        raise Unsupported(f"wgmma: no tile configuration fits {spec.summary()}")
+        raise Unsupported(no_fit(fixed, reasons))
 
 
 wgmma = WgmmaFamily(
