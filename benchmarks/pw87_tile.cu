@@ -16,6 +16,10 @@
 // 32 channels land) 4.734 against 4.739 with one; the movement 4.590. H200 (one run, movement
 // 3.336): 128 pixels 3.663, three blocks an SM 3.649, 8 warps 3.657-3.664, fragments stored
 // straight from registers 5.98-9.40. None comes within 3% of its movement.
+// What costs the 3% (H100, DG variants below): without MMAs 4.73, without MMAs or staging 4.73,
+// without the weight loads 4.62 against the movement's 4.60. Each tile copied the 32 KB of weights
+// from L2; through L1 (cp.async.ca, DG 5) the kernel takes 4.612-4.614, rel err 2.607e-04. That
+// kernel is the `pointwise_tile` family (templates/cuda/pointwise_tile.cu.j2).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -48,6 +52,10 @@ __global__ void round_w(const float* w, float* wr) {
   if (i < COUT * CIN) wr[i] = __uint_as_float(tf32(w[i]));
 }
 
+__device__ __forceinline__ void cp16_l1(void* s, const void* g) {  // through L1 (cached there)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(s)), "l"(g));
+}
+
 template <int N_>
 __device__ __forceinline__ void wait_groups() {  // until at most N_ committed groups are pending
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N_) : "memory");
@@ -56,7 +64,12 @@ __device__ __forceinline__ void wait_groups() {  // until at most N_ committed g
 // KS: the tile's loads in KS groups of CIN / KS channels (input rows and weight columns), the MMAs
 // of each group starting as soon as it lands. NW: warps a block. PLAIN: 0 streaming stores from the
 // staged tile, 1 plain ones, 2 each thread's fragments stored straight from registers (no staging).
-template <int BP, int MINB, int PLAIN, int KS = 1, int NW = 4>
+// DG (diagnostics; the result is then wrong): 1 no MMAs (each accumulator takes one staged input
+// word, so the loads stay live), 2 MMAs on the input words as they lie (no cvt.rna rounding), 3 no
+// weight loads (the MMAs read whatever shared memory holds), 4 no MMAs and no staging: the input
+// rows leave from where they landed, each twice (move87.cu's v2 with this kernel's loads); 5 (a
+// correct result) the weights by cp.async.ca, which keeps them in the SM's L1 for the next tiles.
+template <int BP, int MINB, int PLAIN, int KS = 1, int NW = 4, int DG = 0>
 __global__ void __launch_bounds__(32 * NW, MINB) pw(const float* __restrict__ x, const float* __restrict__ wr,
                                              float* __restrict__ y) {
   using T = Tile<BP, NW>;
@@ -82,12 +95,23 @@ __global__ void __launch_bounds__(32 * NW, MINB) pw(const float* __restrict__ x,
       cp16(Xs + r * XS + 4 * q, xs + r * HW + 4 * q);
     }
 #pragma unroll
-    for (int i = 0; i < 128 * WQ / NT; ++i) {
+    for (int i = 0; i < (DG == 3 ? 0 : 128 * WQ / NT); ++i) {
       const int c = tid + NT * i;
       const int r = c / WQ, q = h * WQ + c % WQ;  // W row r (output channel), chunk q
-      cp16(Ws + r * WS + 4 * q, wr + r * CIN + 4 * q);
+      if (DG == 5) cp16_l1(Ws + r * WS + 4 * q, wr + r * CIN + 4 * q);
+      else cp16(Ws + r * WS + 4 * q, wr + r * CIN + 4 * q);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  if (DG == 4) {
+    wait_groups<0>();
+    __syncthreads();
+    constexpr int RPW4 = 32 / XCH;
+    float* yb = y + n * COUT * HW + p0 + 4 * (lane % XCH);
+#pragma unroll 8
+    for (int r = warp * RPW4 + lane / XCH; r < COUT; r += NW * RPW4)
+      *reinterpret_cast<float4*>(yb + r * HW) = *reinterpret_cast<const float4*>(Xs + (r / 2) * XS + 4 * (lane % XCH));
+    return;
   }
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp / WNC, wn = warp % WNC;  // 16 MT channels x 64 pixels a warp
@@ -116,8 +140,15 @@ __global__ void __launch_bounds__(32 * NW, MINB) pw(const float* __restrict__ x,
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const float* xp = Xs + (k + t) * XS + wn * 64 + nt * 8 + g;
-      bf[nt][0] = tf32(xp[0]);
-      bf[nt][1] = tf32(xp[4 * XS]);
+      bf[nt][0] = DG == 2 ? __float_as_uint(xp[0]) : tf32(xp[0]);
+      bf[nt][1] = DG == 2 ? __float_as_uint(xp[4 * XS]) : tf32(xp[4 * XS]);
+    }
+    if (DG == 1) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) acc[mt][nt][k / 8 % 4] += __uint_as_float(bf[nt][mt & 1] ^ af[mt][0]);
+      continue;
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -237,6 +268,13 @@ int main() {
       {"pw 128 px, 8 warps, 2 an SM, plain", pw<128, 2, 1, 1, 8>, 128, Tile<128, 8>::SMEM, 256},
       {"pw 128 px, 8 warps, 2 an SM, fragments", pw<128, 2, 2, 1, 8>, 128, Tile<128, 8>::SMEM, 256},
       {"pw 128 px, 8 warps, 2 an SM, 2 load groups", pw<128, 2, 1, 2, 8>, 128, Tile<128, 8>::SMEM, 256},
+      {"diag: 128 px, no MMAs (wrong result)", pw<128, 2, 1, 1, 4, 1>, 128, Tile<128>::SMEM, 128},
+      {"diag: 128 px, MMAs unrounded input", pw<128, 2, 1, 1, 4, 2>, 128, Tile<128>::SMEM, 128},
+      {"diag: 128 px, no weight loads", pw<128, 2, 1, 1, 4, 3>, 128, Tile<128>::SMEM, 128},
+      {"diag: 128 px, no MMAs, no staging", pw<128, 2, 1, 1, 4, 4>, 128, Tile<128>::SMEM, 128},
+      {"pw 128 px, 2 an SM, weights via L1", pw<128, 2, 1, 1, 4, 5>, 128, Tile<128>::SMEM, 128},
+      {"pw 128 px, 3 an SM, weights via L1", pw<128, 3, 1, 1, 4, 5>, 128, Tile<128>::SMEM, 128},
+      {"pw 128 px, 8 warps, weights via L1", pw<128, 2, 1, 1, 8, 5>, 128, Tile<128, 8>::SMEM, 256},
   };
   constexpr int NV = sizeof(vars) / sizeof(vars[0]);
   for (auto& v : vars) {
