@@ -210,8 +210,8 @@ def test_warm_plans_each_arch_for_itself(capsys, cache_dir, tmp_path, monkeypatc
         return sorted((i["arch"], i["spec"]["family"], i["spec"]["kernel_size"][0]) for i in doc["items"])
 
     here = plans("--arch", "sm_80,sm_90a")
-    assert [p for p in here if p[1] != "cpu_direct"] == [("sm_80", "igemm", 3), ("sm_80", "pointwise", 1),
-                                                         ("sm_90a", "pointwise", 1), ("sm_90a", "wgmma", 3)]
+    assert [p for p in here if p[1] != "cpu_direct"] == [("sm_80", "igemm", 3), ("sm_80", "pointwise_tile", 1),
+                                                         ("sm_90a", "pointwise_tile", 1), ("sm_90a", "wgmma", 3)]
     assert [p[1:] for p in here if p[1] == "cpu_direct"] == [("cpu_direct", 3)]  # the CPU record, once
     wide = plans("--arch", "sm_90a", "--wide-dram")
     assert [p for p in wide if p[1] != "cpu_direct"] == [("sm_90a", "pointwise_tma", 1), ("sm_90a", "wgmma", 3)]
@@ -250,7 +250,7 @@ def test_render_plans_for_a_named_target(capsys, cache_dir, monkeypatch):
     c63 = ("--input", "16,16,1024,1024", "--weight", "128,16,3,3")
     c87 = ("--input", "16,64,1024,1024", "--weight", "128,64,1,1")
     assert family(*c63) == "igemm" and family(*c63, "--arch", "sm_90a") == "wgmma"
-    assert family(*c87, "--arch", "sm_90a") == "pointwise"
+    assert family(*c87, "--arch", "sm_90a") == "pointwise_tile"
     assert family(*c87, "--arch", "sm_90a", "--wide-dram") == "pointwise_tma"
     code, _, err = run(capsys, "render", *c87, "--wide-dram")
     assert code == 2 and "--wide-dram goes with --arch" in err

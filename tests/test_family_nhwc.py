@@ -107,7 +107,7 @@ def test_nchw_calls_keep_their_families_where_grouped_or_large():
                    channels_last=False).family == "nhwc_tma"
     assert _choose((8, 64, 33, 32), (64, 64, 3, 3), padding=1, channels_last=False).family == "nhwc_tma"
     assert _choose((8, 64, 32, 32), (64, 64, 3, 3), padding=1, channels_last=False, arch="sm_80").family == "nhwc"
-    assert _choose((16, 64, 1024, 1024), (128, 64, 1, 1), channels_last=False).family == "pointwise"
+    assert _choose((16, 64, 1024, 1024), (128, 64, 1, 1), channels_last=False).family == "pointwise_tile"
     # too few channels for a 16-byte chunk: the NCHW families, as before
     assert _choose((32, 3, 14, 14), (64, 3, 3, 3), padding=1, channels_last=False).family not in ("nhwc", "nhwc_tma")
 
@@ -135,7 +135,7 @@ def test_nchw_calls_keep_their_families_where_grouped_or_large():
     ((32, 1024, 14, 14), (256, 1024, 1, 1), {}, "nhwc", "nhwc"),
     ((32, 256, 56, 56), (512, 256, 1, 1), dict(stride=2), "nhwc", "nhwc"),
     # the five cases' planes keep their families
-    ((16, 64, 1024, 1024), (128, 64, 1, 1), {}, "pointwise", "pointwise"),
+    ((16, 64, 1024, 1024), (128, 64, 1, 1), {}, "pointwise_tile", "pointwise"),
     ((8, 64, 512, 256), (128, 64, 5, 7), dict(padding=(2, 3)), "wgmma", "wgmma"),
     ((16, 16, 1024, 1024), (128, 16, 3, 3), {}, "wgmma", "wgmma"),
 ])

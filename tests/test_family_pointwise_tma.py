@@ -71,10 +71,12 @@ def test_short_reductions_and_narrow_outputs_stay(layer):
 @pytest.mark.parametrize("layer", [C87, dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)), dict(x=(4, 48, 256, 256), w=(64, 48, 1, 1))])
 def test_wide_dram_gpus_take_large_planes_too(layer):
     # dispatch.py, item 2: on an H200 pointwise's tiles cannot keep up with the memory (case 87
-    # TF32 4.78 ms against pointwise_tma's 3.43); on an H100 they keep case 87
+    # TF32 4.78 ms against pointwise_tma's 3.43); on an H100 they keep case 87 (TF32 on
+    # pointwise_tile, item 5: 2^19 pixels a call and more)
     for dtype in ("float32", "bfloat16", "float16"):
         assert _choose(**layer, dtype=dtype, wide_dram=True).family == "pointwise_tma", dtype
-        assert _choose(**layer, dtype=dtype).family == "pointwise", dtype
+        tile = dtype == "float32" and layer is C87
+        assert _choose(**layer, dtype=dtype).family == ("pointwise_tile" if tile else "pointwise"), dtype
     assert _choose(**layer, math="ieee", wide_dram=True).family != "pointwise_tma"  # strict float32
     assert _choose(**layer, arch="sm_80", wide_dram=True).family != "pointwise_tma"
     # what the wide class does not change: outputs under one wgmma N, a k-tile under three quarters full
@@ -86,7 +88,7 @@ def test_wide_dram_gpus_take_large_planes_too(layer):
 def test_plans_read_the_dram_class_off_the_gpu(monkeypatch):
     """functional resolves (arch, wide_dram) once per device from its properties, and meta
     planning for CUDA takes the current GPU's: a 141 GB Hopper part plans case 87 on
-    pointwise_tma, an 80 GB one on pointwise, a CPU-only machine as the standard class."""
+    pointwise_tma, an 80 GB one on pointwise_tile, a CPU-only machine as the standard class."""
     import types
 
     import torch
@@ -97,10 +99,10 @@ def test_plans_read_the_dram_class_off_the_gpu(monkeypatch):
     w = torch.empty(*C87["w"], device="meta")
     monkeypatch.setattr(functional, "_target_by_device", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise"  # no GPU: sm_* unknown
+    assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise_tile"  # no GPU: sm_* unknown
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    for gib, family in ((143, "pointwise_tma"), (79, "pointwise")):
+    for gib, family in ((143, "pointwise_tma"), (79, "pointwise_tile")):
         props = types.SimpleNamespace(major=9, minor=0, total_memory=gib << 30)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, p=props: p)
         monkeypatch.setattr(functional, "_target_by_device", {})
@@ -110,7 +112,7 @@ def test_plans_read_the_dram_class_off_the_gpu(monkeypatch):
         with functional.planning_for("sm_90a", wide_dram=gib != 143):
             assert functional.spec_for(x, w, None, device="cuda")[0].family != family
             with functional.planning_for("sm_80", wide_dram=True):
-                assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise"
+                assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise_tile"
 
 
 @pytest.mark.parametrize("layer,tf32,bf16", [

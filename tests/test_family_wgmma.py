@@ -49,9 +49,10 @@ def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
     assert dict(spec63.tiles)["stage_out"] == 1 and dict(spec63.tiles)["async_x"] == 1
     # compute-bound: ring slots first, the output staged in the ring's held slots
     assert FAM.layout(_choose(**CASES["56"]))["RSTAGE"]
-    # Strict float32 runs 3xTF32 on wgmma, down to 1x1 (87), where TF32 keeps mma.sync.
+    # Strict float32 runs 3xTF32 on wgmma, down to 1x1 (87), where TF32 keeps mma.sync (one block a
+    # tile) and bf16 pointwise's persistent tiles.
     assert _choose(**CASES["63"], math="ieee").family == "wgmma"
-    assert _choose(**CASES["87"]).family == "pointwise"
+    assert _choose(**CASES["87"]).family == "pointwise_tile"
     assert _choose(**CASES["87"], math="ieee").family == "wgmma"
     assert _choose(**CASES["87"], dtype="bfloat16").family == "pointwise"
     assert _choose(**CASES["56"], dtype="float64", math="ieee").family == "direct"

@@ -807,6 +807,28 @@ def make_pointwise_tma_cases() -> list[Case]:
                  tuple(sorted(t.items()))) for i, (n, c, k, b, dt, prec, lay, h, w, t) in enumerate(rows)]
 
 
+def make_pointwise_tile_cases() -> list[Case]:
+    """`pointwise_tile` (1x1 NCHW TF32, one block a 128 x 128 tile): case 87's channels, input
+    channels short of a k-step (zeros past CIN), output channels past the last whole block of 128
+    and fewer than one, planes that end in a cut tile and planes that are not whole 16-byte chunks
+    (4-byte copies and stores), views whose planes start between 16-byte boundaries, a strided
+    view, a channels_last weight, bias, unbatched input and an empty batch."""
+    rows = [  # N, C, K, bias, layout, H, W
+        (2, 64, 128, False, "contiguous", 32, 64),
+        (3, 64, 128, True, "contiguous", 37, 41),
+        (2, 3, 200, True, "contiguous", 16, 20),
+        (1, 13, 40, False, "contiguous", 9, 31),
+        (2, 48, 256, True, "offset", 24, 24),
+        (2, 32, 130, True, "strided_view", 12, 40),
+        (2, 64, 96, False, "weight_channels_last", 20, 28),
+        (0, 16, 128, True, "contiguous", 11, 13),
+        (0, 8, 64, False, "contiguous", 8, 16),
+        (2, 1, 1, True, "contiguous", 5, 7),
+    ]
+    return [Case(7200 + i, n, c, k, 1, (1, 1), (1, 1), 0, (1, 1), b, "float32", "tf32", lay, h, w, "pointwise_tile")
+            for i, (n, c, k, b, lay, h, w) in enumerate(rows)]
+
+
 def make_sampled_1x1_cases() -> list[Case]:
     """NCHW 1x1 layers with a stride and no padding, as the dispatcher plans them: on the view
     input[..., ::sh, ::sw] at stride 1 (dispatch.sampled_1x1). Every dtype and precision, equal
@@ -1101,7 +1123,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
                                 if HOPPER else []) +
          make_staged_cases(48) + make_wide_pointwise_cases(24) + make_first_layer_cases() + make_packed_cases() +
          make_nhwc_cases(60) + make_nhwc_nchw_cases(30) + make_depthwise_nhwc_cases(60) + make_depthwise_cases(24) +
-         make_depthwise_planes_cases(24) + make_sampled_1x1_cases() +
+         make_depthwise_planes_cases(24) + make_sampled_1x1_cases() + make_pointwise_tile_cases() +
          make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_grouped_mma_cases(48) +
          make_stem_nhwc_cases(48) +
          make_weight_layout_cases(HOPPER))
@@ -1570,6 +1592,9 @@ MEMCHECK = textwrap.dedent("""
             run("depthwise_nhwc", dtype, (2, 24, 9, 12), (48, 1, 3, 3), view=False, groups=24, padding=1)
             run("depthwise_nhwc", dtype, (2, 24, 9, 12), (72, 1, 3, 3), groups=24, padding=1)
         staged = dict(tiles={{"stage_out": 1, "min_blocks": 1}})
+        if "pointwise_tile" in fams and dtype == torch.float32:  # 16-byte and 4-byte paths, cut tiles and blocks
+            run("pointwise_tile", dtype, (2, 64, 16, 40), (136, 64, 1, 1))
+            run("pointwise_tile", dtype, (2, 13, 19, 25), (40, 13, 1, 1))
         if "pointwise" in fams:
             run("pointwise", dtype, (2, 32, 19, 24), (48, 32, 1, 1))
             run("pointwise", dtype, (2, 32, 19, 25), (48, 32, 1, 1), **staged)
@@ -1618,7 +1643,7 @@ MEMCHECK = textwrap.dedent("""
 
 # The script's families in two parts of about four minutes each on the H100, so that each fits a
 # device call of its own (benchmarks/gpu_all.sh tests-memcheck1, tests-memcheck2).
-MEMCHECK_PARTS = {"part1": ("direct", "nhwc", "nhwc_tma", "pointwise_tma", "stem_nhwc"),
+MEMCHECK_PARTS = {"part1": ("direct", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc"),
                   "part2": ("depthwise", "depthwise_planes", "depthwise_nhwc", "grouped_nhwc", "grouped_mma", "pointwise", "igemm",
                             "wgmma")}
 

@@ -1,0 +1,68 @@
+"""`pointwise_tile`: 1x1 convolutions of NCHW float32 inputs in TF32, one block a tile.
+
+Each block computes one tile of 128 output channels x 128 pixels of one image's plane
+(templates/cuda/pointwise_tile.cu.j2): it copies the tile's input rows and the weights' rows
+into shared memory by cp.async, runs mma.sync m16n8k8 TF32 on 4 warps, stages the tile over
+its operands and stores whole 512-byte rows; two blocks share an SM. This is cuDNN's structure
+for case 87 (CUTLASS's s1688gemm_128x128_32x3), where `pointwise`'s persistent blocks walk the
+tiles. The weights are rounded to TF32 once a call into the workspace, then read through L1
+(cp.async.ca), where they stay from one tile to the next.
+
+Why it exists (H100, case 87, benchmarks/move87.cu and pw87_tile.cu): 87's bytes move in
+4.58-4.62 ms with one block a tile, in 4.63 with the persistent walk, and cuDNN computes 87 in
+4.59-4.63. Computing in this structure cost 3% over its movement while each tile read the
+weights from L2 (.cg); through L1 it costs 0.3%.
+
+It serves groups of one, 1x1 kernels at stride 1 without padding, 1-64 input channels
+(rounded up to whole k-steps of 8 with zeros) and any number of output channels (blocks of
+128, the last one cut), on dense planes of any size (the last tile cut; 4-byte copies and
+stores where the planes or the tensors do not start on 16-byte boundaries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import Unsupported
+from .base import Family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ConvSpec
+
+BM = BP = 128  # output channels x pixels a tile
+MAX_CIN = 64   # the whole reduction in one stage of shared memory
+
+
+def _layout(spec: "ConvSpec") -> dict[str, int]:
+    cinp = -(-spec.in_channels // 8) * 8
+    operands = 4 * (BM * (cinp + 4) + cinp * (BP + 8))
+    staged = 4 * BM * (BP + 8)
+    return {"CINP": cinp, "MB": -(-spec.out_channels // BM), "SMEM_BYTES": max(operands, staged)}
+
+
+@dataclass(frozen=True)
+class PointwiseTileFamily(Family):
+    def check_shape(self, spec: "ConvSpec") -> None:
+        if spec.groups != 1:
+            raise Unsupported("pointwise_tile serves dense layers (groups=1)")
+        if spec.kernel_size != (1, 1) or spec.stride != (1, 1) or any(spec.padding):
+            raise Unsupported(f"pointwise_tile serves 1x1 kernels at stride 1 without padding (got kernel "
+                              f"{spec.kernel_size}, stride {spec.stride}, padding {spec.padding})")
+        if spec.math != "tf32":
+            raise Unsupported("pointwise_tile computes in TF32 (strict float32 needs 3xTF32, which wgmma runs)")
+        if spec.in_channels > MAX_CIN:
+            raise Unsupported(f"pointwise_tile holds at most {MAX_CIN} input channels in one stage "
+                              f"(got {spec.in_channels})")
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        lay = _layout(spec)
+        return {**lay, "WORKSPACE_BYTES": lay["MB"] * BM * lay["CINP"] * 4}  # the rounded weights
+
+
+pointwise_tile = PointwiseTileFamily(
+    name="pointwise_tile", device="cuda", template="cuda/pointwise_tile.cu.j2", layouts=("nchw",),
+    dtypes=("float32",), tf32=True,
+)
+
+FAMILIES = (pointwise_tile,)

@@ -1,0 +1,116 @@
+"""CPU-tier tests of the `pointwise_tile` family (1x1 NCHW TF32, one block a 128 x 128 tile): no
+GPU needed.
+
+What they cover: which calls the dispatcher sends to it (TF32 1x1 layers of 16-64 input channels
+on large planes, on GPUs of the standard DRAM class) and which stay with the other families, that
+its refusals name the reason, the layout constants it hands the template (channels rounded to
+k-steps, blocks of output channels, the workspace of rounded weights), and (with nvcc) that it
+lowers to TF32 mma.sync fed by cp.async, the weights through L1, with no spills, for sm_90a and
+sm_80.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kernelgen import dispatch
+from kernelgen.errors import ConvArgumentError, Unsupported
+from kernelgen.families import get_family
+from kernelgen.spec import ConvSpec, Problem
+from lowering import NVCC, lower
+
+FAM = get_family("pointwise_tile")
+C87 = dict(x=(16, 64, 1024, 1024), w=(128, 64, 1, 1))
+
+
+def _params(x, w, dtype="float32", stride=1, padding=0, groups=1, bias=False):
+    return dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
+                dilation=1, groups=groups, dtype=dtype, bias=bias)
+
+
+def _choose(x, w, dtype="float32", math="tf32", arch="sm_90a", wide_dram=False, family=None, **kw):
+    params = _params(x, w, dtype, **kw)
+    P, Q = ConvSpec(**params).output_size(x[2], x[3])
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch, wide_dram=wide_dram)
+    return dispatch.choose(params, "cuda", problem, False, math if dtype == "float32" else "ieee", family=family)
+
+
+def _spec(cin, cout, bias=False, math="tf32"):
+    return ConvSpec(**_params((1, cin, 8, 8), (cout, cin, 1, 1), bias=bias), device="cuda", layout="nchw",
+                    math=math, family="pointwise_tile")
+
+
+@pytest.mark.parametrize("layer", [
+    C87,
+    dict(x=(16, 32, 1024, 1024), w=(128, 32, 1, 1)),
+    dict(x=(4, 64, 1024, 1024), w=(256, 64, 1, 1)),
+    dict(x=(8, 48, 512, 512), w=(96, 48, 1, 1)),
+    dict(x=(8, 16, 512, 512), w=(128, 16, 1, 1)),
+    dict(x=(32, 64, 256, 256), w=(128, 64, 1, 1)),
+])
+def test_tf32_1x1_layers_on_large_planes_take_it(layer):
+    assert _choose(**layer).family == "pointwise_tile"
+    assert _choose(**layer, arch="sm_80").family == "pointwise_tile"
+    # what stays elsewhere: strict float32 (3xTF32), 16-bit, and on GPUs of the wide-DRAM class
+    # whatever pointwise_tma takes (from 24 input channels, three quarters of its 128-byte k-tile)
+    assert _choose(**layer, math="ieee").family != "pointwise_tile"
+    assert _choose(**layer, dtype="bfloat16").family == "pointwise"
+    wide = _choose(**layer, wide_dram=True).family
+    assert wide == ("pointwise_tma" if layer["x"][1] >= 24 else "pointwise_tile")
+
+
+@pytest.mark.parametrize("layer,why", [
+    (dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1)), "plane under POINTWISE_LARGE_PLANE"),
+    (dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)), "under 2^19 pixels a call"),
+    (dict(x=(16, 8, 1024, 1024), w=(128, 8, 1, 1)), "under 16 input channels"),
+    (dict(x=(16, 96, 1024, 1024), w=(128, 96, 1, 1)), "over 64 input channels"),
+    (dict(x=(16, 64, 1024, 1024), w=(128, 32, 1, 1), groups=2), "groups"),
+    (dict(x=(16, 64, 1024, 1024), w=(128, 64, 3, 3), padding=1), "a 3x3 kernel"),
+    (dict(x=(16, 64, 1024, 1024), w=(128, 64, 1, 1), stride=2), "a stride"),
+])
+def test_other_layers_stay_with_the_other_families(layer, why):
+    assert _choose(**layer).family != "pointwise_tile", why
+
+
+def test_refusals_name_the_reason():
+    for spec, match in ((_spec(64, 128).replace(groups=2, out_channels=128, in_channels=128), "groups=1"),
+                        (_spec(64, 128).replace(kernel_size=(3, 3)), "1x1"),
+                        (_spec(64, 128).replace(padding=(1, 1, 1, 1)), "padding"),
+                        (_spec(64, 128, math="ieee"), "TF32"),
+                        (_spec(96, 128), "64 input channels")):
+        with pytest.raises(Unsupported, match=match):
+            FAM.check(spec)
+    with pytest.raises(Unsupported, match="dtype"):
+        FAM.check(_spec(64, 128).replace(dtype="bfloat16", math="ieee"))
+    with pytest.raises(ConvArgumentError, match="pointwise_tile"):
+        _choose(x=(2, 96, 64, 64), w=(128, 96, 1, 1), family="pointwise_tile")
+
+
+@pytest.mark.parametrize("cin,cout,cinp,mb", [(64, 128, 64, 1), (3, 200, 8, 2), (13, 40, 16, 1), (1, 1, 8, 1),
+                                              (48, 256, 48, 2), (57, 129, 64, 2)])
+def test_layout_rounds_channels_to_k_steps_and_outputs_to_blocks(cin, cout, cinp, mb):
+    ctx = _spec(cin, cout).template_context()
+    assert (ctx["CINP"], ctx["MB"]) == (cinp, mb)
+    assert ctx["WORKSPACE_BYTES"] == mb * 128 * cinp * 4  # the rounded weights, [MB * 128][CINP]
+    # the operands (weights [128][CINP + 4], input [CINP][136]) and the staged tile ([128][136]) share it
+    assert ctx["SMEM_BYTES"] == 4 * max(128 * (cinp + 4) + cinp * 136, 128 * 136)
+    assert 2 * (ctx["SMEM_BYTES"] + 1024) <= 228 * 1024  # two blocks an SM
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("cin,cout,bias,arch", [(64, 128, False, "sm_90a"), (3, 200, True, "sm_90a"),
+                                                (48, 96, True, "sm_80")])
+def test_lowers_to_tf32_mma_fed_by_cp_async_without_spills(cin, cout, bias, arch, tmp_path):
+    ptx, report = lower(_spec(cin, cout, bias=bias), tmp_path, arch=arch)
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
+    assert "cvt.rna.tf32.f32" in ptx  # operands rounded, not truncated
+    # the weights through L1 (16 bytes a copy, no zero fill), the input in L2 only
+    assert re.search(r"cp\.async\.ca\.shared\.global \[%r\d+\], \[%rd\d+\], 16;", ptx)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)
+    kernels = re.findall(r"Compiling entry function '(\w*kg_pointwise_tile\w*)'", report)
+    assert len(kernels) == 4, report  # 16-byte and 4-byte input and output paths
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") >= 4, report
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    assert max(regs) <= 255 and max(regs) * 128 * 2 <= 65536, regs  # two blocks an SM
