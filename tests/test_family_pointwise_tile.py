@@ -49,6 +49,9 @@ def _spec(cin, cout, bias=False, math="tf32"):
     dict(x=(8, 48, 512, 512), w=(96, 48, 1, 1)),
     dict(x=(8, 16, 512, 512), w=(128, 16, 1, 1)),
     dict(x=(32, 64, 256, 256), w=(128, 64, 1, 1)),
+    dict(x=(8, 64, 128, 128), w=(128, 64, 1, 1)),
+    dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)),
+    dict(x=(16, 64, 1024, 1024), w=(64, 64, 1, 1)),
 ])
 def test_tf32_1x1_layers_on_large_planes_take_it(layer):
     assert _choose(**layer).family == "pointwise_tile"
@@ -63,8 +66,9 @@ def test_tf32_1x1_layers_on_large_planes_take_it(layer):
 
 @pytest.mark.parametrize("layer,why", [
     (dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1)), "plane under POINTWISE_LARGE_PLANE"),
-    (dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)), "under 2^19 pixels a call"),
+    (dict(x=(16, 64, 1024, 1024), w=(32, 64, 1, 1)), "under 64 output channels"),
     (dict(x=(16, 8, 1024, 1024), w=(128, 8, 1, 1)), "under 16 input channels"),
+    (dict(x=(16, 12, 512, 512), w=(64, 12, 1, 1)), "under 16 input channels"),
     (dict(x=(16, 96, 1024, 1024), w=(128, 96, 1, 1)), "over 64 input channels"),
     (dict(x=(16, 64, 1024, 1024), w=(128, 32, 1, 1), groups=2), "groups"),
     (dict(x=(16, 64, 1024, 1024), w=(128, 64, 3, 3), padding=1), "a 3x3 kernel"),

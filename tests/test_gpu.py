@@ -205,6 +205,13 @@ def make_wide_pointwise_cases(n: int, seed: int = 1470) -> list[Case]:
         H, W = rng.randint(3, 40), rng.randint(3, 200)
         cases.append(Case(2100 + idx, N, C, K, groups, (1, 1), (1, 1), 0, (1, 1), rng.random() < 0.5,
                           dtype, precision, layout, H, W, "pointwise", tuple(tiles)))
+    # One stage of 64 channels over 48 and 40 input channels (zero past CIN_G), as the dispatcher
+    # now plans 16-bit 48-channel layers on large planes.
+    for idx, (C, dtype, prec) in enumerate([(48, "bfloat16", None), (40, "float32", "ieee"), (48, "float16", None)]):
+        cases.append(Case(2140 + n + idx, 2, C, 96, 1, (1, 1), (1, 1), 0, (1, 1), idx != 1, dtype, prec, "contiguous",
+                          19, 37 + idx, "pointwise", (("block_k", 64), ("block_n", 128 if idx == 1 else 256),
+                                                      ("warps_m", 4), ("warps_n", 4), ("stage_out", 1), ("min_blocks", 1),
+                                                      ("async_x", 0))))
     # Case 87's tiles (64 channels in, rows staged in 2 rounds) and 32 channels in (4 rounds), on
     # planes of whole 256-pixel tiles and on planes that end in a cut tile (the 4-byte input path).
     wide = (("block_n", 256), ("warps_m", 4), ("warps_n", 4), ("stage_out", 1), ("min_blocks", 1), ("async_x", 1))
