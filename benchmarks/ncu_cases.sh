@@ -22,7 +22,7 @@ for run in "$@"; do
   name="${case}_${prec}_${who}"
   if [[ -n $rest ]]; then name+="_${rest//[^A-Za-z0-9]/_}"; fi  # e.g. --padding 1: 63_tf32_kernelgen___padding_1
   if [[ $who == torch ]]; then filter=(--launch-skip 1 --launch-count 4); else
-    filter=(-k "regex:kg_(gemm|wgmma|depthwise|direct)" --launch-skip 1 --launch-count 1); fi
+    filter=(-k "regex:kg_(gemm|wgmma|depthwise|direct|pointwise_tile)" --launch-skip 1 --launch-count 1); fi
   ncu --clock-control none "${filter[@]}" "${sections[@]}" --page raw --csv \
       python3 benchmarks/profile_case.py $case $prec $who $rest > "$out/$name.csv" 2> "$out/$name.err"
   echo "== $name (exit $?)"
