@@ -76,35 +76,9 @@ __global__ void __launch_bounds__(128) v1(const int4* __restrict__ x, int4* __re
   }
 }
 
-// V2: as V1, but the tile's loads land in shared memory by cp.async (cuDNN's way), then each warp
-// stores whole 512-byte rows from it.
-template <int VT>
-__global__ void __launch_bounds__(128) v2(const int4* __restrict__ x, int4* __restrict__ y) {
-  constexpr int G = 128 / VT, J = CIN / G;
-  extern __shared__ int4 s[];  // [CIN][VT]
-  const long long per_image = PLANE / VT;
-  const long long t = blockIdx.x;
-  const long long n = t / per_image, v0_ = (t - n * per_image) * VT;
-  const int lane_v = threadIdx.x % VT, g = threadIdx.x / VT;
-  const int4* xs = x + n * CIN * PLANE + v0_ + lane_v;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int c = g + G * j;
-    unsigned dst = (unsigned)__cvta_generic_to_shared(s + c * VT + lane_v);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(xs + (long long)c * PLANE));
-  }
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-  __syncthreads();
-  int4* ys = y + n * 2 * CIN * PLANE + v0_ + lane_v;
-#pragma unroll 8
-  for (int j = 0; j < 2 * J; ++j) {
-    const int co = g + G * j;
-    __stcs(ys + (long long)co * PLANE, s[(co / 2) * VT + lane_v]);
-  }
-}
-
-// V4: V2 (cp.async into shared memory, then whole rows out) with an L2 hint on the copies. LH: 0
-// none, 1 a 256-byte L2 prefetch on each copy. SH: 0 plain stores, 1 streaming (.cs).
+// V2 / V4: as V1, but the tile's loads land in shared memory by cp.async (cuDNN's way), then each
+// warp stores whole 512-byte rows from it (V2: v4<VT, 0, 1>). LH: 0 no L2 hint on the copies, 1 a
+// 256-byte L2 prefetch on each. SH: 0 plain stores, 1 streaming (.cs).
 template <int VT, int LH, int SH>
 __global__ void __launch_bounds__(128) v4(const int4* __restrict__ x, int4* __restrict__ y) {
   constexpr int G = 128 / VT, J = CIN / G;
@@ -193,7 +167,7 @@ int main() {
   CK(cudaMemset(x, 1, xb));
   const int TILES128 = N * PLANE / 32;   // 128-pixel tiles
   const int TILES256 = N * PLANE / 64;
-  for (auto f : {(const void*)v1<32, 1>, (const void*)v1<32, 0>, (const void*)v1<64, 1>, (const void*)v2<32>, (const void*)v2<64>, (const void*)v3,
+  for (auto f : {(const void*)v1<32, 1>, (const void*)v1<32, 0>, (const void*)v1<64, 1>, (const void*)v4<32, 0, 1>, (const void*)v4<64, 0, 1>, (const void*)v3,
                  (const void*)v4<32, 0, 0>, (const void*)v4<32, 1, 0>, (const void*)v4<32, 1, 1>, (const void*)v4<64, 1, 0>})
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   // shared memory a block so that k blocks share an SM: 228 KB / k, less the 1 KB reserved each
@@ -208,9 +182,9 @@ int main() {
       L("v1 tile 128px, loads then stores, plain, 2/SM", (v1<32, 0><<<TILES128, 128, 100 * 1024>>>(x, y, 0))),
       L("v1 tile 256px, loads then stores, cs, 2/SM", (v1<64, 1><<<TILES256, 128, 100 * 1024>>>(x, y, 0))),
       L("v1 tile 256px, loads then stores, cs, 4/SM", (v1<64, 1><<<TILES256, 128, 50 * 1024>>>(x, y, 0))),
-      L("v2 tile 128px, cp.async to smem, 2/SM", (v2<32><<<TILES128, 128, 100 * 1024>>>(x, y))),
-      L("v2 tile 128px, cp.async to smem, 4/SM", (v2<32><<<TILES128, 128, 50 * 1024>>>(x, y))),
-      L("v2 tile 256px, cp.async to smem, 2/SM", (v2<64><<<TILES256, 128, 100 * 1024>>>(x, y))),
+      L("v2 tile 128px, cp.async to smem, 2/SM", (v4<32, 0, 1><<<TILES128, 128, 100 * 1024>>>(x, y))),
+      L("v2 tile 128px, cp.async to smem, 4/SM", (v4<32, 0, 1><<<TILES128, 128, 50 * 1024>>>(x, y))),
+      L("v2 tile 256px, cp.async to smem, 2/SM", (v4<64, 0, 1><<<TILES256, 128, 100 * 1024>>>(x, y))),
       L("v4 128px cp.async, no hints, plain, 2/SM", (v4<32, 0, 0><<<TILES128, 128, 100 * 1024>>>(x, y))),
       L("v4 128px cp.async L2::256B, plain, 2/SM", (v4<32, 1, 0><<<TILES128, 128, 100 * 1024>>>(x, y))),
       L("v4 128px cp.async L2::256B, streaming, 2/SM", (v4<32, 1, 1><<<TILES128, 128, 100 * 1024>>>(x, y))),
