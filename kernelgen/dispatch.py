@@ -212,19 +212,21 @@ Heuristics (CUDA), tried in order; the first family whose `check` accepts the sp
    0.332 / 0.220 / 0.109.
 5. pointwise: 1x1 kernels with >= 8 input channels per group: a per-image GEMM on
    tensor cores, memory-bound at these sizes, beats any direct loop.
-   pointwise_tile before it: dense NCHW 1x1 layers in TF32 from 16-64 input channels into 64 or
+   pointwise_tile before it: dense NCHW 1x1 layers in TF32 from 12-64 input channels into 32 or
    more on planes of POINTWISE_LARGE_PLANE pixels and more: one block a 128 x 128 tile, two an
-   SM, as cuDNN runs case 87, where pointwise's persistent blocks walk the tiles 0.6-0.9% slower
-   than the bytes move in that structure.
+   SM (64 x 128, four an SM, for layers of up to 64 outputs), as cuDNN runs case 87, where
+   pointwise's persistent blocks walk the tiles 0.6-0.9% slower than the bytes move in that
+   structure.
    H100, same process, stream time of 20 calls, us (pointwise_tile / pointwise / F.conv2d):
    case 87 (64->128 on 16 x 1024 x 1024) 4639 / 4695-4741 / 4637; 32->128 3919 / 4436 / 3920;
    64->64 3087 / 3144 / 3042; 64->256 on 4 x 1024 x 1024 1956 / 2361 / 1951; 64->128 on 32 x 256 x
    256 564 / 589-607 / 569; 48->96 on 8 x 512 x 512 436 / 669 / 441; 16->128 on 8 x 512 x 512 445
    / 448 / 443; 64->128 on 8 x 128 x 128 42.4 / 45.5 / 42.4; 64->128 on 2 x 64 x 64 7.9 / 8.1 / 5.3.
-   On 56 x 56 planes pointwise_tma stays ahead (64->256 on 32: 55.8 against 57.6); pointwise
-   keeps outputs under 64 (its 128-channel tile part empty: 64->32 on 16 x 1024 x 1024 2558 against
-   2234, F.conv2d 2208) and inputs under 16 (8->128 even at 3374 / 3361-3368; 12->64 on 16 x 512 x
-   512 549 against 477).
+   With 64-channel tiles for layers of up to 64 outputs (another call): 64->32 on 16 x 1024 x
+   1024 2199 / 2228 / 2199 (2558 with 128-channel tiles); 64->64 3042 / 3154 / 3039; 24->64 on
+   8 x 512 x 512 266 / 279 / 265; 12->64 on 16 x 512 x 512 462 / 480 / 615; 32->48 473 / 489 / 472.
+   On 56 x 56 planes pointwise_tma stays ahead (64->256 on 32: 55.8 against 57.6); pointwise keeps
+   8 input channels (8->128 even: 3374 / 3361-3368).
 6. igemm: other kernels with >= 4 input channels per group: the implicit GEMM's
    reduction (CIN_G*KH*KW) is long enough to feed tensor cores. Below 4 channels too
    for TF32 and 16-bit, and for strict float32 (3xTF32) with at most 9 kernel taps or
@@ -471,7 +473,7 @@ def _worth_it(name: str, spec: ConvSpec, problem: Problem, math: str) -> bool:
             return pick == "nhwc"
         return (spec.groups == 1 and problem.P * problem.Q <= 1024) or _nchw_wide(spec)
     if name == "pointwise_tile":  # (its check: dense, TF32, at most 64 input channels)
-        return (spec.in_channels >= 16 and spec.out_channels >= 64
+        return (spec.in_channels >= 12 and spec.out_channels >= 32
                 and problem.P * problem.Q >= POINTWISE_LARGE_PLANE)
     if name == "pointwise":
         return spec.cin_per_group >= 8

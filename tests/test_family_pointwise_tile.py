@@ -1,8 +1,8 @@
 """CPU-tier tests of the `pointwise_tile` family (1x1 NCHW TF32, one block a 128 x 128 tile): no
 GPU needed.
 
-What they cover: which calls the dispatcher sends to it (TF32 1x1 layers of 16-64 input channels
-on large planes, on GPUs of the standard DRAM class) and which stay with the other families, that
+What they cover: which calls the dispatcher sends to it (TF32 1x1 layers of 12-64 input channels
+into 32 or more on large planes, on GPUs of the standard DRAM class) and which stay with the other families, that
 its refusals name the reason, the layout constants it hands the template (channels rounded to
 k-steps, blocks of output channels, the workspace of rounded weights), and (with nvcc) that it
 lowers to TF32 mma.sync fed by cp.async, the weights through L1, with no spills, for sm_90a and
@@ -52,6 +52,9 @@ def _spec(cin, cout, bias=False, math="tf32"):
     dict(x=(8, 64, 128, 128), w=(128, 64, 1, 1)),
     dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)),
     dict(x=(16, 64, 1024, 1024), w=(64, 64, 1, 1)),
+    dict(x=(16, 64, 1024, 1024), w=(32, 64, 1, 1)),
+    dict(x=(16, 12, 512, 512), w=(64, 12, 1, 1)),
+    dict(x=(8, 24, 512, 512), w=(64, 24, 1, 1)),
 ])
 def test_tf32_1x1_layers_on_large_planes_take_it(layer):
     assert _choose(**layer).family == "pointwise_tile"
@@ -61,14 +64,14 @@ def test_tf32_1x1_layers_on_large_planes_take_it(layer):
     assert _choose(**layer, math="ieee").family != "pointwise_tile"
     assert _choose(**layer, dtype="bfloat16").family == "pointwise"
     wide = _choose(**layer, wide_dram=True).family
-    assert wide == ("pointwise_tma" if layer["x"][1] >= 24 else "pointwise_tile")
+    tma = layer["x"][1] >= 24 and layer["w"][0] >= 64  # (a wgmma N of outputs at least)
+    assert wide == ("pointwise_tma" if tma else "pointwise_tile")
 
 
 @pytest.mark.parametrize("layer,why", [
     (dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1)), "plane under POINTWISE_LARGE_PLANE"),
-    (dict(x=(16, 64, 1024, 1024), w=(32, 64, 1, 1)), "under 64 output channels"),
-    (dict(x=(16, 8, 1024, 1024), w=(128, 8, 1, 1)), "under 16 input channels"),
-    (dict(x=(16, 12, 512, 512), w=(64, 12, 1, 1)), "under 16 input channels"),
+    (dict(x=(16, 64, 1024, 1024), w=(16, 64, 1, 1)), "under 32 output channels"),
+    (dict(x=(16, 8, 1024, 1024), w=(128, 8, 1, 1)), "under 12 input channels"),
     (dict(x=(16, 96, 1024, 1024), w=(128, 96, 1, 1)), "over 64 input channels"),
     (dict(x=(16, 64, 1024, 1024), w=(128, 32, 1, 1), groups=2), "groups"),
     (dict(x=(16, 64, 1024, 1024), w=(128, 64, 3, 3), padding=1), "a 3x3 kernel"),
@@ -92,20 +95,22 @@ def test_refusals_name_the_reason():
         _choose(x=(2, 96, 64, 64), w=(128, 96, 1, 1), family="pointwise_tile")
 
 
-@pytest.mark.parametrize("cin,cout,cinp,mb", [(64, 128, 64, 1), (3, 200, 8, 2), (13, 40, 16, 1), (1, 1, 8, 1),
-                                              (48, 256, 48, 2), (57, 129, 64, 2)])
-def test_layout_rounds_channels_to_k_steps_and_outputs_to_blocks(cin, cout, cinp, mb):
+@pytest.mark.parametrize("cin,cout,bm,cinp,mb", [(64, 128, 128, 64, 1), (3, 200, 128, 8, 2), (13, 40, 64, 16, 1),
+                                                 (1, 1, 64, 8, 1), (48, 256, 128, 48, 2), (57, 129, 128, 64, 2),
+                                                 (64, 64, 64, 64, 1), (24, 65, 128, 24, 1)])
+def test_layout_rounds_channels_to_k_steps_and_outputs_to_blocks(cin, cout, bm, cinp, mb):
     ctx = _spec(cin, cout).template_context()
-    assert (ctx["CINP"], ctx["MB"]) == (cinp, mb)
-    assert ctx["WORKSPACE_BYTES"] == mb * 128 * cinp * 4  # the rounded weights, [MB * 128][CINP]
-    # the operands (weights [128][CINP + 4], input [CINP][136]) and the staged tile ([128][136]) share it
-    assert ctx["SMEM_BYTES"] == 4 * max(128 * (cinp + 4) + cinp * 136, 128 * 136)
-    assert 2 * (ctx["SMEM_BYTES"] + 1024) <= 228 * 1024  # two blocks an SM
+    assert (ctx["BM"], ctx["CINP"], ctx["MB"]) == (bm, cinp, mb)
+    assert ctx["WORKSPACE_BYTES"] == mb * bm * cinp * 4  # the rounded weights, [MB * BM][CINP]
+    # the operands (weights [BM][CINP + 4], input [CINP][136]) and the staged tile ([BM][136]) share it
+    assert ctx["SMEM_BYTES"] == 4 * max(bm * (cinp + 4) + cinp * 136, bm * 136)
+    blocks = 2 if bm == 128 else 4  # an SM (the launch bounds')
+    assert blocks * (ctx["SMEM_BYTES"] + 1024) <= 228 * 1024
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("cin,cout,bias,arch", [(64, 128, False, "sm_90a"), (3, 200, True, "sm_90a"),
-                                                (48, 96, True, "sm_80")])
+                                                (48, 96, True, "sm_80"), (64, 64, True, "sm_90a"), (24, 40, False, "sm_80")])
 def test_lowers_to_tf32_mma_fed_by_cp_async_without_spills(cin, cout, bias, arch, tmp_path):
     ptx, report = lower(_spec(cin, cout, bias=bias), tmp_path, arch=arch)
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
@@ -117,4 +122,5 @@ def test_lowers_to_tf32_mma_fed_by_cp_async_without_spills(cin, cout, bias, arch
     assert len(kernels) == 4, report  # 16-byte and 4-byte input and output paths
     assert report.count("0 bytes spill stores, 0 bytes spill loads") >= 4, report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
-    assert max(regs) <= 255 and max(regs) * 128 * 2 <= 65536, regs  # two blocks an SM
+    blocks = 2 if cout > 64 else 4  # an SM: 128-channel tiles, or 64-channel ones
+    assert max(regs) * 128 * blocks <= 65536, regs

@@ -30,15 +30,20 @@ from .base import Family
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec
 
-BM = BP = 128  # output channels x pixels a tile
-MAX_CIN = 64   # the whole reduction in one stage of shared memory
+BP = 128      # pixels a tile
+MAX_CIN = 64  # the whole reduction in one stage of shared memory
 
 
 def _layout(spec: "ConvSpec") -> dict[str, int]:
+    """Output channels a tile (BM): 128, or 64 for layers of up to 64 (a tile half as tall, with
+    half the accumulators, so that four blocks share an SM); input channels rounded up to whole
+    k-steps (CINP); blocks of output channels (MB); shared memory, where the staged tile overlays
+    the operands."""
+    bm = 64 if spec.out_channels <= 64 else 128
     cinp = -(-spec.in_channels // 8) * 8
-    operands = 4 * (BM * (cinp + 4) + cinp * (BP + 8))
-    staged = 4 * BM * (BP + 8)
-    return {"CINP": cinp, "MB": -(-spec.out_channels // BM), "SMEM_BYTES": max(operands, staged)}
+    operands = 4 * (bm * (cinp + 4) + cinp * (BP + 8))
+    staged = 4 * bm * (BP + 8)
+    return {"BM": bm, "CINP": cinp, "MB": -(-spec.out_channels // bm), "SMEM_BYTES": max(operands, staged)}
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class PointwiseTileFamily(Family):
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         lay = _layout(spec)
-        return {**lay, "WORKSPACE_BYTES": lay["MB"] * BM * lay["CINP"] * 4}  # the rounded weights
+        return {**lay, "WORKSPACE_BYTES": lay["MB"] * lay["BM"] * lay["CINP"] * 4}  # the rounded weights
 
 
 pointwise_tile = PointwiseTileFamily(
