@@ -815,9 +815,9 @@ def make_pointwise_tma_cases() -> list[Case]:
 
 
 def make_pointwise_tile_cases() -> list[Case]:
-    """`pointwise_tile` (1x1 NCHW TF32, one block a 128 x 128 tile): case 87's channels, input
-    channels short of a k-step (zeros past CIN), output channels past the last whole block of 128
-    and fewer than one, planes that end in a cut tile and planes that are not whole 16-byte chunks
+    """`pointwise_tile` (1x1 NCHW TF32, one block a tile of 128 pixels and 128 output channels, or
+    64 for layers of up to 64: K 40, 64 and 1 below): case 87's channels, input channels short of a
+    k-step (zeros past CIN), output channels past the last whole block of 128, planes that end in a cut tile and planes that are not whole 16-byte chunks
     (4-byte copies and stores), views whose planes start between 16-byte boundaries, a strided
     view, a channels_last weight, bias, unbatched input and an empty batch."""
     rows = [  # N, C, K, bias, layout, H, W

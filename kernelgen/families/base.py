@@ -37,6 +37,16 @@ def staged_row(pixels: int, esize: int) -> int:
     return need + (rem - need) % step
 
 
+def check_dense_1x1(name: str, spec: "ConvSpec") -> None:
+    """Raise Unsupported unless `spec` is a dense (one group) 1x1 convolution at stride 1 without
+    padding: the per-image GEMMs' own shape, X[n] read as it lies."""
+    if spec.groups != 1:
+        raise Unsupported(f"{name} serves dense layers (groups=1)")
+    if spec.kernel_size != (1, 1) or spec.stride != (1, 1) or any(spec.padding):
+        raise Unsupported(f"{name} serves 1x1 kernels at stride 1 without padding (got kernel {spec.kernel_size}, "
+                          f"stride {spec.stride}, padding {spec.padding})")
+
+
 def no_fit(fixed: Mapping[str, int] | None, reasons: list[str]) -> str:
     """The message of a family that found no tiles: the tiles the caller forced, if any, and why
     the first candidate failed."""
@@ -64,8 +74,7 @@ def first_fit(check: Callable[[dict], None], walks: Iterable[tuple[Mapping[str, 
                 reasons.append(str(exc))
                 continue
             return cand
-    raise Unsupported(no_fit(fixed, reasons) if reasons else
-                      f"no tile configuration fits with the forced tiles {dict(fixed)} (no ring depth matches them)")
+    raise Unsupported(no_fit(fixed, reasons or ["no ring depth matches them"]))
 
 
 @dataclass(frozen=True)

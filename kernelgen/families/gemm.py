@@ -246,8 +246,9 @@ class GemmFamily(Family):
           one stage, the weights stay resident and blocks are persistent (the
           memory-bound 1x1 and small-CIN k x k cases). pointwise rounds it up to an allowed
           block_k (48 channels: one stage of 64): H100, 8 x 512 x 512, bf16 48->96 239 us
-          against 463 in 16-channel stages (F.conv2d 227), fp16 40->128 516 against 976 (533). Otherwise 16 channels, or 8 for
-          float32 kernels of 5x5 and up (smaller weight slices per stage).
+          against 463 in 16-channel stages (F.conv2d 227), fp16 40->128 516 against 976 (533).
+          Otherwise 16 channels, or 8 for float32 kernels of 5x5 and up (smaller weight slices
+          per stage).
         - Pixels: a long reduction (CIN_G*KH*KW >= 256: compute-bound) gets 256 pixels
           per block (not for 3xTF32, whose per-stage partial sums double the
           accumulators), i.e. a 64x64 warp tile, which halves shared-memory traffic per MMA;

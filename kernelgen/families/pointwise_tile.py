@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import Unsupported
-from .base import Family
+from .base import Family, check_dense_1x1
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec
@@ -49,11 +49,7 @@ def _layout(spec: "ConvSpec") -> dict[str, int]:
 @dataclass(frozen=True)
 class PointwiseTileFamily(Family):
     def check_shape(self, spec: "ConvSpec") -> None:
-        if spec.groups != 1:
-            raise Unsupported("pointwise_tile serves dense layers (groups=1)")
-        if spec.kernel_size != (1, 1) or spec.stride != (1, 1) or any(spec.padding):
-            raise Unsupported(f"pointwise_tile serves 1x1 kernels at stride 1 without padding (got kernel "
-                              f"{spec.kernel_size}, stride {spec.stride}, padding {spec.padding})")
+        check_dense_1x1(self.name, spec)
         if spec.math != "tf32":
             raise Unsupported("pointwise_tile computes in TF32 (strict float32 needs 3xTF32, which wgmma runs)")
         if spec.in_channels > MAX_CIN:

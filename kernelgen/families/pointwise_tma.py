@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, element_size, first_fit
+from .base import SM_SMEM, SMEM_LIMIT, Family, check_dense_1x1, element_size, first_fit
 from .nhwc_tma import k_tiles, reg_cap  # (a 1x1's k-tiles: 128 bytes of channels each)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,11 +61,7 @@ class PointwiseTmaFamily(Family):
                 "REGS": bco // 2 + 76}
 
     def check_shape(self, spec: "ConvSpec") -> None:
-        if spec.groups != 1:
-            raise Unsupported("pointwise_tma serves dense layers (groups=1)")
-        if spec.kernel_size != (1, 1) or spec.stride != (1, 1) or any(spec.padding):
-            raise Unsupported(f"pointwise_tma serves 1x1 kernels at stride 1 without padding (got kernel "
-                              f"{spec.kernel_size}, stride {spec.stride}, padding {spec.padding})")
+        check_dense_1x1(self.name, spec)
         if spec.dtype == "float32" and spec.math == "ieee":
             raise Unsupported("pointwise_tma: strict float32 needs 3xTF32, which wgmma and nhwc run (wgmma would "
                               "truncate)")
