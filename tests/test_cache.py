@@ -256,7 +256,7 @@ WARM_CHILD = textwrap.dedent("""
 """)
 
 
-def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
+def test_warm_process_skips_validation_selection_and_rendering(tmp_path):
     root = tmp_path / "cache"
     env = dict(os.environ, KERNELGEN_CACHE_DIR=str(root))
     run = lambda: json.loads(subprocess.run([sys.executable, "-c", WARM_CHILD.format(repo=str(REPO))], env=env,
@@ -267,8 +267,9 @@ def test_warm_process_skips_validation_dispatch_and_rendering(tmp_path):
     assert second["compiles"] == 0 and second["cache_hits"] == 1
     assert not second["spec_loaded"] and not second["jinja_loaded"]
     # nor anything else that only a miss needs: every module imported adds to a warm start
-    needless = {"kernelgen." + m for m in ("spec", "checks", "dispatch", "families", "render", "toolchain", "build",
-                                           "errors", "nn", "warm", "cli", "cache_admin")}
+    needless = {"kernelgen." + m for m in ("spec", "checks", "select", "costmodel", "table", "tuner", "device",
+                                           "families", "render", "toolchain", "build", "errors", "nn", "warm", "cli",
+                                           "cache_admin")}
     assert not needless & set(second["modules"]), second["modules"]
     # a damaged record is ignored (and rewritten) rather than trusted
     for record in (root / "plans").glob("*.json"):

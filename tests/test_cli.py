@@ -193,30 +193,64 @@ def test_arch_without_cuda_torch_is_a_usage_error(capsys, cache_dir, tmp_path):
     assert code == 2 and "CPU-only" in err
 
 
+def _planned_gpus(monkeypatch) -> list:
+    """The GPUs the selector is asked to plan for, in order (kernelgen.select.ranked's problem.device)."""
+    from kernelgen import select
+
+    seen, real = [], select.ranked
+    monkeypatch.setattr(select, "ranked", lambda params, device, problem, *a, **kw: seen.append(problem.device)
+                        or real(params, device, problem, *a, **kw))
+    return seen
+
+
+# 480 depthwise channels of one 14 x 14 image: depthwise_planes keeps two blocks an SM, so its
+# planes a block follow the GPU's SMs (two on an A100's 108, one on an H100's 132)
+PLANES = {"input": [1, 480, 14, 14], "weight": [480, 1, 3, 3], "groups": 480, "padding": 1,
+          "family": "depthwise_planes"}
+
+
 def test_warm_plans_each_arch_for_itself(capsys, cache_dir, tmp_path, monkeypatch):
-    """`warm --arch` on a machine without a GPU plans every target as a GPU of that target would
-    (Hopper families for sm_90a, not for sm_80), and --wide-dram as a GPU of the wide-DRAM class
-    (case 87's 1x1 on pointwise_tma); a dry run, so nothing is compiled."""
+    """`warm --arch` on a machine without a GPU plans every target as a nominal GPU of that target
+    would (the families it can run there, tiles sized for it), and --wide-dram for the target's
+    larger-memory part (an H200); a dry run, so nothing is compiled."""
+    from kernelgen.device import nominal
+    from kernelgen.families import get_family
+    from kernelgen.spec import ConvSpec
+
     monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")  # a CUDA torch, no GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpus = _planned_gpus(monkeypatch)
     records = write_jsonl(tmp_path / "s.jsonl", [
         {"input": [16, 16, 1024, 1024], "weight": [128, 16, 3, 3], "precision": "tf32"},  # case 63
         {"input": [16, 64, 1024, 1024], "weight": [128, 64, 1, 1], "precision": "tf32"},  # case 87
-        {"input": [2, 4, 12, 12], "weight": [8, 4, 3, 3], "device": "cpu"}])
+        PLANES, {"input": [2, 4, 12, 12], "weight": [8, 4, 3, 3], "device": "cpu"}])
 
     def plans(*extra):
+        del gpus[:]
         code, doc = run_json(capsys, "warm", records, "--dry-run", *extra)
         assert code == 0 and not doc["errors"], doc["errors"]
-        return sorted((i["arch"], i["spec"]["family"], i["spec"]["kernel_size"][0]) for i in doc["items"])
+        return doc["items"]
 
     here = plans("--arch", "sm_80,sm_90a")
-    assert [p for p in here if p[1] != "cpu_direct"] == [("sm_80", "igemm", 3), ("sm_80", "pointwise_tile", 1),
-                                                         ("sm_90a", "pointwise_tile", 1), ("sm_90a", "wgmma", 3)]
-    assert [p[1:] for p in here if p[1] == "cpu_direct"] == [("cpu_direct", 3)]  # the CPU record, once
+    assert set(gpus) == {nominal("sm_80"), nominal("sm_90a"), None}  # (None: the CPU record's)
+    cuda = [(i["arch"], ConvSpec.from_dict(i["spec"])) for i in here if i["spec"]["device"] == "cuda"]
+    assert sorted(arch for arch, _ in cuda) == ["sm_80"] * 3 + ["sm_90a"] * 3  # each record for each target
+    for arch, spec in cuda:  # what each target's GPU can run
+        get_family(spec.family).check(spec, nominal(arch))
+    planes = {arch: dict(spec.tiles)["planes"] for arch, spec in cuda if spec.family == "depthwise_planes"}
+    assert planes == {"sm_80": 2, "sm_90a": 1}
+    assert [i["spec"]["family"] for i in here if i["spec"]["device"] == "cpu"] == ["cpu_direct"]  # once
     wide = plans("--arch", "sm_90a", "--wide-dram")
-    assert [p for p in wide if p[1] != "cpu_direct"] == [("sm_90a", "pointwise_tma", 1), ("sm_90a", "wgmma", 3)]
+    assert set(gpus) - {None} == {nominal("sm_90a", wide_dram=True)} and gpus[0].name == "NVIDIA H200"
+    assert sorted(i["arch"] for i in wide if i["spec"]["device"] == "cuda") == ["sm_90a"] * 3
     code, _, err = run(capsys, "warm", records, "--dry-run", "--wide-dram")
     assert code == 2 and "--wide-dram goes with --arch" in err
+    # a family forced where the target cannot run it is that target's error
+    forced = write_jsonl(tmp_path / "f.jsonl", [{"input": [16, 16, 1024, 1024], "weight": [128, 16, 3, 3],
+                                                 "precision": "tf32", "family": "wgmma"}])
+    code, doc = run_json(capsys, "warm", forced, "--dry-run", "--arch", "sm_80,sm_90a")
+    assert [i["arch"] for i in doc["items"]] == ["sm_90a"]
+    assert len(doc["errors"]) == 1 and "runs on sm_90a (target sm_80)" in doc["errors"][0]
 
 
 def test_bad_arch_name(capsys, cache_dir, tmp_path):
@@ -238,20 +272,29 @@ def test_render_prints_source_with_banner(capsys):
 
 
 def test_render_plans_for_a_named_target(capsys, cache_dir, monkeypatch):
-    # without a GPU, case 63's 3x3 plans on igemm; an H100 (sm_90a) runs it on wgmma, and case
-    # 87's 1x1 moves to pointwise_tma on the wide-DRAM class
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    """`render --arch` plans for a nominal GPU of that target (--wide-dram: its larger-memory part):
+    the families it can run there, tiles sized for it."""
+    from kernelgen.device import nominal
 
-    def family(*argv):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpus = _planned_gpus(monkeypatch)
+
+    def spec(*argv):
         code, out, err = run(capsys, "render", "--device", "cuda", "--precision", "tf32", *argv)
         assert code == 0, err
-        return json.loads(out.splitlines()[1][len("// spec: "):])["family"]
+        return json.loads(out.splitlines()[1][len("// spec: "):])
 
-    c63 = ("--input", "16,16,1024,1024", "--weight", "128,16,3,3")
+    c63 = ("--input", "16,16,1024,1024", "--weight", "128,16,3,3", "--family", "wgmma")
+    assert spec(*c63, "--arch", "sm_90a")["family"] == "wgmma" and gpus[-1] == nominal("sm_90a")
+    code, _, err = run(capsys, "render", "--device", "cuda", *c63, "--arch", "sm_80")
+    assert code == 2 and "runs on sm_90a (target sm_80)" in err
+    planes = ("--input", ",".join(map(str, PLANES["input"])), "--weight", ",".join(map(str, PLANES["weight"])),
+              "--groups", "480", "--padding", "1", "--family", "depthwise_planes")
+    assert spec(*planes, "--arch", "sm_80")["tiles"]["planes"] == 2 and gpus[-1] == nominal("sm_80")
+    assert spec(*planes, "--arch", "sm_90a")["tiles"]["planes"] == 1
     c87 = ("--input", "16,64,1024,1024", "--weight", "128,64,1,1")
-    assert family(*c63) == "igemm" and family(*c63, "--arch", "sm_90a") == "wgmma"
-    assert family(*c87, "--arch", "sm_90a") == "pointwise_tile"
-    assert family(*c87, "--arch", "sm_90a", "--wide-dram") == "pointwise_tma"
+    spec(*c87, "--arch", "sm_90a", "--wide-dram")
+    assert gpus[-1] == nominal("sm_90a", wide_dram=True) and gpus[-1].name == "NVIDIA H200"
     code, _, err = run(capsys, "render", *c87, "--wide-dram")
     assert code == 2 and "--wide-dram goes with --arch" in err
     code, _, err = run(capsys, "render", *c87, "--arch", "sm_80,sm_90a")
@@ -267,20 +310,32 @@ def test_doctor_reports(capsys, cache_dir):
     assert code == (1 if doc["problems"] else 0)
 
 
-def test_doctor_names_each_gpus_dram_class(capsys, cache_dir, monkeypatch):
-    # the dispatcher's choice can differ by it (kernelgen.arch.wide_dram): a GPU faked here
+def test_doctor_describes_each_gpu(capsys, cache_dir, monkeypatch):
+    # what the families size their tiles for and the selector weighs (kernelgen.device): a GPU faked here
     import types
 
-    props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=143771 << 20)
+    from kernelgen import device
+
+    props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=143771 << 20,
+                                  multi_processor_count=132, shared_memory_per_block_optin=227 << 10,
+                                  shared_memory_per_multiprocessor=228 << 10, regs_per_multiprocessor=65536,
+                                  L2_cache_size=60 << 20, memory_clock_rate=3_125_000, memory_bus_width=6144,
+                                  clock_rate=1_980_000)
     monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    _, doc = run_json(capsys, "doctor")
-    assert doc["gpus"] == [{"index": 0, "name": "NVIDIA H200", "capability": "9.0", "arch": "sm_90a",
-                            "memory_gib": 140.4, "wide_dram": True}]
-    _, out, _ = run(capsys, "doctor")
-    assert "GPU 0          NVIDIA H200, compute capability 9.0, arch sm_90a, 140.4 GiB (wide DRAM class)" in out
+    device.of.cache_clear()
+    try:
+        _, doc = run_json(capsys, "doctor")
+        assert doc["gpus"] == [{"index": 0, "name": "NVIDIA H200", "capability": "9.0", "arch": "sm_90a",
+                                "memory_gib": 140.4, "sms": 132, "smem_block_kib": 227, "l2_mib": 60,
+                                "dram_tb_s": 4.8}]
+        _, out, _ = run(capsys, "doctor")
+        assert ("GPU 0          NVIDIA H200, compute capability 9.0, arch sm_90a, 140.4 GiB, 132 SMs, 227 KiB shared "
+                "memory a block, 60 MiB L2, 4.8 TB/s") in out
+    finally:
+        device.of.cache_clear()
 
 
 def test_prune_and_size_parsing():

@@ -19,7 +19,8 @@ import pytest
 
 from kernelgen.errors import Unsupported
 from kernelgen.families import all_families
-from kernelgen.families.depthwise import FAMILIES, MAX_TAPS, SMEM_LIMIT, TILES, geometry
+from kernelgen.device import nominal
+from kernelgen.families.depthwise import FAMILIES, MAX_TAPS, SMEM_BUDGET, TILES, geometry
 from kernelgen.spec import ConvSpec, Problem
 
 FAMILY = FAMILIES[0]
@@ -89,14 +90,14 @@ def test_rejects_other_layouts_and_devices():
 def test_rejects_tiles_whose_window_overflows_shared_memory():
     big = dict(block_q=512, rows=16, threads=512, stages=2)
     s = spec(kernel=9, stride=3, dilation=3, tiles=big)
-    assert geometry(s, big)["smem_bytes"] > SMEM_LIMIT
+    assert geometry(s, big)["smem_bytes"] > SMEM_BUDGET
     with pytest.raises(Unsupported, match="shared memory"):
         FAMILY.check(s)
 
 
 def test_first_tile_values_are_the_smallest_window():
-    # The dispatcher checks a spec with every tile at its first value before choosing
-    # tiles; that must be the smallest window, or check() could reject a servable spec.
+    # A spec checked with every tile at its first value must have the smallest window, or
+    # check() could reject a servable spec.
     s = spec(kernel=9, stride=2, dilation=2)
     first = {name: values[0] for name, values in TILES.items()}
     smallest = min(geometry(s, dict(zip(TILES, combo)))["smem_bytes"]
@@ -122,8 +123,9 @@ def test_default_tiles_are_valid_and_fit(kw, shape):
     tiles = dict(s.tiles)
     for name, values in TILES.items():
         assert tiles[name] in values
-    assert geometry(s, tiles)["smem_bytes"] <= SMEM_LIMIT
+    assert geometry(s, tiles)["smem_bytes"] <= SMEM_BUDGET
     FAMILY.check(s)
+    FAMILY.check(s, nominal("sm_89"))  # (99 KB a block: the budget stays under every target's)
 
 
 def test_default_tiles_for_the_kernelbench_cases():
@@ -178,7 +180,7 @@ def _fit(kw):
     shape = SimpleNamespace(kernel_size=pair(kw["kernel"]), stride=pair(kw["stride"]),
                             dilation=pair(kw["dilation"]), dtype=kw["dtype"])
     tiles = dict(kw["tiles"])
-    while geometry(shape, tiles)["smem_bytes"] > SMEM_LIMIT:
+    while geometry(shape, tiles)["smem_bytes"] > SMEM_BUDGET:
         if tiles["rows"] > 1:
             tiles["rows"] //= 2
         else:

@@ -1,11 +1,12 @@
 """CPU-tier tests of the `depthwise_planes` family (NCHW depthwise, whole small planes a block):
 no GPU needed.
 
-What they cover: which calls the dispatcher sends to it (NCHW depthwise on planes of at most
-SMALL_PLANE elements) and which it leaves to `depthwise`, its default tiles for the measured
-layers and for small batches, that its refusals name the reason, that the template needs its
-context and nothing else, and (with nvcc) that every dtype, multiplier, kernel, stride and
-dilation builds without warnings and lowers both input paths without spills.
+What they cover: which calls it can serve (NCHW depthwise whose plane fits a block's run) and
+which it cannot, its default tiles for the measured layers and for small batches, that its
+refusals name the reason, that the template needs its context and nothing else, and (with nvcc)
+that every dtype, multiplier, kernel, stride and dilation builds without warnings and lowers both
+input paths without spills. Which family the selector picks for a call is measured, not asserted
+here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import jinja2
 import pytest
 
-from kernelgen import dispatch
+from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
 from kernelgen.families.depthwise_planes import RUN_LIMIT, RUN_TARGET, TAPS_LIMIT, TILES, run_bytes, taps_bytes
@@ -27,39 +28,34 @@ from test_family_depthwise_nhwc import _choose as choose_depthwise, _params
 FAM = get_family("depthwise_planes")
 
 
-def _choose(c, hw, channels_last=False, **kw):
-    """The dispatcher's spec for a depthwise call (test_family_depthwise_nhwc's helper), NCHW by default."""
-    return choose_depthwise(c, hw, channels_last=channels_last, **kw)
+def _choose(c, hw, channels_last=False, family="depthwise_planes", **kw):
+    """The spec `family` (this one by default) runs a depthwise call with (test_family_depthwise_nhwc's
+    helper), NCHW by default."""
+    return choose_depthwise(c, hw, channels_last=channels_last, family=family, **kw)
 
 
-# -- which calls come here ---------------------------------------------------------------------
+# -- which calls it serves ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
 @pytest.mark.parametrize("c, hw, kw", [
     (960, (7, 7), {}),                                    # MobileNetV2's last depthwise
     (576, (14, 14), dict(stride=2)),
     (384, (14, 14), {}),
-    (32, (16, 16), dict(mult=2, kernel=5, padding=2)),    # 256 elements: the largest plane served
+    (32, (16, 16), dict(mult=2, kernel=5, padding=2)),
+    (192, (28, 28), {}),
     (8, (1, 200), dict(kernel=(1, 3), padding=(0, 1))),
 ])
-def test_small_nchw_planes_come_here(dtype, c, hw, kw):
+def test_serves_nchw_planes_whose_run_fits(dtype, c, hw, kw):
     spec = _choose(c, hw, dtype=dtype, **kw)
-    assert spec.family == "depthwise_planes" and spec.layout == "nchw"
-    assert dispatch.SMALL_PLANE == 256
+    assert spec.layout == "nchw" and run_bytes(spec, 1, *hw) <= RUN_LIMIT
+    FAM.check(spec, nominal("sm_89"))
 
 
-@pytest.mark.parametrize("c, hw, kw, family", [
-    (384, (17, 17), {}, "depthwise"),                     # past SMALL_PLANE: plane tiles
-    (192, (28, 28), {}, "depthwise"),
-    (960, (7, 7), dict(kernel=11, padding=5), None),      # 121 taps: past the unrolled stencils
-])
-def test_larger_planes_and_kernels_go_elsewhere(c, hw, kw, family):
-    chosen = _choose(c, hw, **kw).family
-    assert chosen == family if family else chosen not in ("depthwise", "depthwise_planes")
-
-
-def test_channels_last_stays_on_depthwise_nhwc():
-    assert _choose(960, (7, 7), channels_last=True).family == "depthwise_nhwc"
+def test_refuses_kernels_past_the_unrolled_stencils_and_channels_last():
+    with pytest.raises(ConvArgumentError, match="taps"):  # 121 taps
+        _choose(960, (7, 7), kernel=11, padding=5)
+    with pytest.raises(ConvArgumentError, match="takes layouts"):
+        _choose(960, (7, 7), channels_last=True)
 
 
 # -- tiles -------------------------------------------------------------------------------------
@@ -79,9 +75,11 @@ def test_default_planes_for_the_measured_layers(c, hw, dtype, kw, planes):
 
 
 def test_small_batches_take_fewer_planes_a_block():
-    # 384 planes in all: one a block keeps 384 blocks, two would leave 192 for 132 SMs
+    # 384 planes in all: one a block keeps 384 blocks, two would leave 192 for an H100's 132 SMs
     assert dict(_choose(384, (14, 14), n=1).tiles)["planes"] == 1
     assert dict(_choose(384, (14, 14), n=4).tiles)["planes"] == 4
+    # (an A10's 72 SMs take two blocks each from 192)
+    assert dict(_choose(384, (14, 14), n=1, device=nominal("sm_86")).tiles)["planes"] == 2
 
 
 def test_threads_shrink_to_the_outputs_of_a_block():
@@ -103,10 +101,10 @@ def test_refusals_name_the_reason():
     assert taps_bytes(big, 64) > TAPS_LIMIT
     with pytest.raises(Unsupported, match="fewer planes"):
         FAM.check(big)
-    # a plane past RUN_LIMIT is refused by its tiles, and so by the dispatcher when forced
+    # a plane past RUN_LIMIT is refused by its tiles, and so by the selector when forced
     assert run_bytes(base, 1, 200, 200) > RUN_LIMIT
     with pytest.raises(ConvArgumentError, match="a plane of 200 x 200"):
-        _choose(16, (200, 200), family="depthwise_planes")
+        _choose(16, (200, 200))
 
 
 def test_first_tile_values_are_the_smallest_footprint():

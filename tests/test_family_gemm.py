@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kernelgen import families as _families
+from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import gemm
 from kernelgen.spec import ConvSpec, Problem
@@ -47,7 +48,7 @@ def _spec(family, cin, cout, k, stride=1, padding=0, dilation=1, groups=1, dtype
     if tiles is None:
         probe = ConvSpec(**params, tiles={n: v[0] for n, v in fam.tiles.items()})
         P, Q = probe.output_size(nhw[1], nhw[2])
-        fam.check_shape(_shape_only(probe))
+        fam.check_shape(_shape_only(probe), nominal())
         tiles = fam.default_tiles(probe, Problem(nhw[0], nhw[1], nhw[2], P, Q))
     spec = ConvSpec(**params, tiles=tiles)
     fam.check(spec)
@@ -55,7 +56,7 @@ def _spec(family, cin, cout, k, stride=1, padding=0, dilation=1, groups=1, dtype
 
 
 def _shape_only(spec):
-    """The spec as the dispatcher first checks it: no tiles yet (check_shape then skips tile checks)."""
+    """The spec as the selector first checks it: no tiles yet (check_shape then skips tile checks)."""
     clone = ConvSpec.from_dict(spec.to_dict())
     object.__setattr__(clone, "tiles", ())
     return clone
@@ -87,10 +88,10 @@ def test_tile_checks_name_the_problem():
     bad = dict(spec.tiles)
     bad.update(block_m=128, warps_m=1, warps_n=1, tile_p=16, tile_q=128)  # 128x2048 per warp
     with pytest.raises(Unsupported, match="accumulators"):
-        fam.check_tiles(spec, bad)
+        fam.check_tiles(spec, bad, nominal())
     bad = dict(spec.tiles, block_k=8)
     with pytest.raises(Unsupported, match="multiple of 16"):
-        fam.check_tiles(spec.replace(dtype="bfloat16", math="ieee"), bad)
+        fam.check_tiles(spec.replace(dtype="bfloat16", math="ieee"), bad, nominal())
     with pytest.raises(ConvArgumentError):
         spec.replace(tiles=dict(spec.tiles, tile_q=24))  # not an allowed value
 
@@ -114,7 +115,7 @@ def test_default_tiles_valid_and_render(k, stride, dil, groups, dm, bias):
     fam = _families.get_family(spec.family)
     lay = fam.layout(spec)
     assert lay["AKS"] % 8 == 4 and lay["CS"] % 16 == 8  # conflict-free fragment strides
-    assert lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
+    assert lay["SMEM_BYTES"] <= nominal().smem_block
     src = _render(spec)
     assert "kg_launch" in src and "{{" not in src and "{% " not in src  # asm operands look like {%0
 
@@ -151,7 +152,7 @@ def test_default_tiles_for_the_benchmark_cases():
     assert dict(_spec("pointwise", 64, 128, 1, math="ieee", nhw=(16, 1024, 1024)).tiles)["warps_n"] == 4
     assert dict(_spec("igemm", 16, 128, 3, math="ieee", nhw=(16, 1024, 1024)).tiles)["async_x"] == 0
     lay = gemm.igemm.layout(p63)
-    assert lay["XASYNC"] and lay["EPI_WORDS"] == 0 and lay["SMEM_BYTES"] <= gemm.SMEM_LIMIT
+    assert lay["XASYNC"] and lay["EPI_WORDS"] == 0 and lay["SMEM_BYTES"] <= nominal().smem_block
     p56 = _spec("igemm", 64, 128, (5, 7), nhw=(8, 512, 256))
     assert gemm.igemm.layout(p56)["BN"] == 256  # compute-bound: 64x64 warp tiles
 
@@ -175,19 +176,46 @@ def test_small_and_odd_shapes_get_tiles():
             _spec(family, cin, cout, k, groups=groups, dtype=dtype, nhw=(1, 7, 7))
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_89"])
+@pytest.mark.parametrize("family,cin,cout,k,dtype,nhw", [
+    ("pointwise", 64, 128, 1, "float32", (16, 1024, 1024)),   # case 87
+    ("pointwise", 48, 96, 1, "bfloat16", (8, 512, 512)),
+    ("igemm", 16, 128, 3, "float32", (16, 1024, 1024)),       # case 63
+    ("igemm", 64, 128, (5, 7), "bfloat16", (8, 512, 256)),
+    ("igemm", 3, 64, 7, "float32", (32, 224, 224)),           # a stem: packed taps
+])
+def test_candidates_are_legal_and_the_default_comes_first(family, cin, cout, k, dtype, nhw, arch):
+    """Every configuration the family offers passes its check on that GPU (shared memory of 99 KB
+    a block on the L40S, 163 on the A100), its own first choice first."""
+    device = nominal(arch)
+    fam = _families.get_family(family)
+    base = ConvSpec(in_channels=cin, out_channels=cout, kernel_size=k, stride=2 if cin == 3 else 1,
+                    padding=0 if k == 1 else 3 if cin == 3 else "same", dtype=dtype, device="cuda", layout="nchw",
+                    math="tf32" if dtype == "float32" else "ieee", family=family)
+    P, Q = base.output_size(*nhw[1:])
+    problem = Problem(nhw[0], nhw[1], nhw[2], P, Q, device=device)
+    cands = fam.candidates(base, problem)
+    assert len(cands) > 1
+    assert dict(cands[0].tiles) == {**fam.default_tiles(base, problem)}
+    assert len({c.tiles for c in cands}) == len(cands)
+    for c in cands:
+        fam.check(c, device)
+        assert fam.layout(c)["SMEM_BYTES"] <= device.smem_block
+
+
 def test_async_input_tiles():
     p63 = _spec("igemm", 16, 128, 3, nhw=(16, 1024, 1024))
     lay = gemm.igemm.layout(p63)
     assert lay["XASYNC"] and lay["XDEPTH"] == 1 and lay["NXB"] == 2 and lay["PREFETCH_WORDS"] == 0
     two = dict(p63.tiles, async_x=2)
-    gemm.igemm.check_tiles(p63, two)
+    gemm.igemm.check_tiles(p63, two, nominal())
     lay2 = gemm.igemm.layout(p63, two)
     assert lay2["NXB"] == 3 and lay2["SMEM_BYTES"] == lay["SMEM_BYTES"] + lay["XWORDS"] * 4
     p56 = _spec("igemm", 64, 128, (5, 7), nhw=(8, 512, 256))  # weights staged per stage
     with pytest.raises(Unsupported, match="async_x"):
-        gemm.igemm.check_tiles(p56, dict(p56.tiles, async_x=1))
+        gemm.igemm.check_tiles(p56, dict(p56.tiles, async_x=1), nominal())
     with pytest.raises(Unsupported, match="async_x"):  # 16-bit words pair two channels
-        gemm.igemm.check_tiles(p63.replace(dtype="bfloat16", math="ieee"), dict(p63.tiles))
+        gemm.igemm.check_tiles(p63.replace(dtype="bfloat16", math="ieee"), dict(p63.tiles), nominal())
 
 
 def test_rows_stage_in_the_consumed_input_buffer():
@@ -246,10 +274,10 @@ def test_few_channel_layers_pack_their_taps_into_the_reduction():
     assert dict(_spec("igemm", 24, 64, 3, padding=1, dtype="bfloat16", nhw=(16, 512, 512)).tiles)["pack_k"] == 0
     # Packing needs one stage: all channels and all kernel rows; pointwise has no taps.
     with pytest.raises(Unsupported, match="pack_k"):
-        gemm.igemm.check_tiles(stem, dict(t, full_kh=0))
+        gemm.igemm.check_tiles(stem, dict(t, full_kh=0), nominal())
     with pytest.raises(Unsupported, match="pack_k"):
         gemm.igemm.check_tiles(_spec("igemm", 32, 64, 3, nhw=(8, 64, 64)),
-                               dict(t, block_k=16, full_kh=1))
+                               dict(t, block_k=16, full_kh=1), nominal())
     p87 = _spec("pointwise", 64, 128, 1, nhw=(16, 1024, 1024))
     with pytest.raises(ConvArgumentError, match="pack_k"):
         p87.replace(tiles=dict(p87.tiles, pack_k=1))

@@ -1,21 +1,23 @@
 """CPU-tier tests of the `grouped_nhwc` family (channels_last groups of 2-16 input channels): no
 GPU needed.
 
-What they cover: which calls the dispatcher sends to it (ResNeXt's narrow groups in
-channels_last, wider groups only where nhwc would run 3xTF32 or cannot take them; narrow NCHW
-groups through the input's transpose) and which it never does, that its refusals name the reason, its default tiles and their shared-memory limit,
-and (with nvcc) that every dtype and shape of input run lowers with the loads it should, 16-byte
-streaming stores and within its registers (a word or two of spill at most).
+What they cover: which calls it can serve (grouped layers of 2-16 input channels a group in
+channels_last, and in NCHW through the input's transpose, in exact float32 FMAs) and which it
+cannot, that its refusals name the reason, its default tiles and their shared-memory limit, and
+(with nvcc) that every dtype and shape of input run lowers with the loads it should, 16-byte
+streaming stores and within its registers (a word or two of spill at most). Which family the
+selector picks for a call is measured, not asserted here.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kernelgen import dispatch
+from kernelgen import select
+from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
-from kernelgen.families.groupwise_nhwc import MAX_CIN_G, SMEM_LIMIT, smem_bytes
+from kernelgen.families.groupwise_nhwc import MAX_CIN_G, SMEM_BUDGET, smem_bytes
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
@@ -28,56 +30,37 @@ def _params(groups, cin_g, cout_g=None, kernel=3, stride=1, padding=1, dilation=
                 padding=padding, dilation=dilation, groups=groups, dtype=dtype, bias=bias)
 
 
-def _choose(groups, cin_g, hw, n=32, channels_last=True, math="tf32", family=None, tiles=None, **kw):
+def _choose(groups, cin_g, hw, n=32, channels_last=True, math="tf32", family="grouped_nhwc", tiles=None,
+            **kw):
+    """The spec `family` (this one by default) runs a grouped call with on a nominal H100."""
     params = _params(groups, cin_g, **kw)
     P, Q = ConvSpec(**params).output_size(*hw)
-    problem = Problem(N=n, H=hw[0], W=hw[1], P=P, Q=Q, arch="sm_90a")
-    return dispatch.choose(params, "cuda", problem, channels_last, math, family=family, tiles=tiles)
+    problem = Problem(N=n, H=hw[0], W=hw[1], P=P, Q=Q, device=nominal("sm_90a"))
+    return select.choose(params, "cuda", problem, channels_last, math, family=family, tiles=tiles)
 
 
-# ResNeXt-50 32x4d's grouped 3x3s at batch 32 (benchmarks/bench_layers.py; the measurements in
-# dispatch.py's docstring).
+# ResNeXt-50 32x4d's grouped 3x3s at batch 32 (benchmarks/bench_layers.py).
 RX50 = {"l1": (4, (56, 56)), "l2": (8, (28, 28)), "l3": (16, (14, 14))}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("layer", ["l1", "l2"])
-def test_narrow_groups_in_channels_last_go_here(layer, dtype):
+@pytest.mark.parametrize("layer", ["l1", "l2", "l3"])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_serves_resnext_groups_in_exact_float32_in_both_layouts(layer, dtype, channels_last):
+    # float32 FMAs: a TF32 call computes exactly (math 'ieee'); NCHW through the input's transpose
     cin_g, hw = RX50[layer]
     for math in ("tf32", "ieee"):
-        spec = _choose(32, cin_g, hw, dtype=dtype, math=math)
-        assert spec.family == "grouped_nhwc" and spec.layout == "nhwc" and spec.math == "ieee"
+        spec = _choose(32, cin_g, hw, dtype=dtype, math=math, channels_last=channels_last)
+        assert spec.layout == ("nhwc" if channels_last else "nchw") and spec.math == "ieee"
+        FAM.check(spec, nominal("sm_89"))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_narrow_groups_in_nchw_come_here_through_the_transpose(dtype):
-    # against igemm (dispatch.py, item 1): up to 8 channels a group, 16 in strict float32, but
-    # TF32 groups of 8 (one MMA k-step) go to grouped_mma
-    for layer in ("l1", "l2"):
-        cin_g, hw = RX50[layer]
-        for math in ("tf32", "ieee"):
-            spec = _choose(32, cin_g, hw, dtype=dtype, math=math, channels_last=False)
-            tf32_k_step = dtype == "float32" and math == "tf32" and cin_g == 8
-            assert spec.family == ("grouped_mma" if tf32_k_step else "grouped_nhwc"), (layer, math, spec.family)
-            assert spec.layout == "nchw"
-    # TF32 groups of 8 that grouped_mma cannot take stay here, not on igemm: 4 output channels a
-    # group (not whole n8 tiles), 7x7 taps (98 registers a thread)
-    assert _choose(32, 8, (28, 28), dtype=dtype, cout_g=4, channels_last=False).family == "grouped_nhwc"
-    assert _choose(32, 8, (28, 28), dtype=dtype, kernel=7, channels_last=False).family == "grouped_nhwc"
-    # (wider groups: grouped_mma's tensor cores, test_family_grouped_mma.py; strict float32 stays)
-    cin_g, hw = RX50["l3"]
-    assert _choose(32, cin_g, hw, dtype=dtype, math="tf32", channels_last=False).family == "grouped_mma"
-    strict = _choose(32, cin_g, hw, dtype=dtype, math="ieee", channels_last=False).family
-    assert strict == ("grouped_nhwc" if dtype == "float32" else "grouped_mma")
-
-
-def test_sixteen_channels_a_group_go_to_tensor_cores_but_strict_float32_comes_here():
-    cin_g, hw = RX50["l3"]
-    assert _choose(32, cin_g, hw, math="tf32").family == "grouped_mma"
-    assert _choose(32, cin_g, hw, dtype="bfloat16").family == "grouped_mma"
-    assert _choose(32, cin_g, hw, math="ieee").family == "grouped_nhwc"  # exact FMAs beat 3xTF32
-    # 12 bf16 channels are not whole 16-byte chunks: nhwc cannot take them
-    assert _choose(8, 12, (20, 20), cout_g=16, dtype="bfloat16").family == "grouped_nhwc"
+def test_serves_groups_the_tensor_core_families_cannot_take():
+    # 4 output channels a group (not whole n8 tiles), 7x7 taps of 8 channels, 12 bf16 channels (not
+    # whole 16-byte chunks)
+    for cin_g, kw in ((8, dict(cout_g=4)), (8, dict(kernel=7, padding=3)), (12, dict(cout_g=16, dtype="bfloat16"))):
+        for channels_last in (True, False):
+            FAM.check(_choose(8, cin_g, (28, 28), channels_last=channels_last, **kw))
 
 
 def test_depthwise_and_dense_layers_are_not_served():
@@ -87,8 +70,6 @@ def test_depthwise_and_dense_layers_are_not_served():
         _choose(1, 8, (20, 20), family="grouped_nhwc")  # one group
     with pytest.raises(ConvArgumentError, match=f"got groups=4 with {MAX_CIN_G + 1} a group"):
         _choose(4, MAX_CIN_G + 1, (20, 20), family="grouped_nhwc")
-    assert _choose(16, 1, (20, 20)).family == "depthwise_nhwc"
-    assert _choose(4, 32, (20, 20)).family == "nhwc"
 
 
 def test_output_groups_must_fill_or_divide_a_vector():
@@ -107,7 +88,7 @@ def test_default_tiles_and_their_shared_memory():
     assert dict(_choose(2, 2, (20, 20), family="grouped_nhwc").tiles)["block_c"] == 1
     # 7x7 taps of 16 channels: 4 bf16 vectors would stage 100 KB; the default halves to fit
     spec = _choose(4, 16, (30, 30), kernel=7, padding=3, dtype="bfloat16", family="grouped_nhwc")
-    assert smem_bytes(spec, dict(spec.tiles)) <= SMEM_LIMIT
+    assert smem_bytes(spec, dict(spec.tiles)) <= SMEM_BUDGET
     assert dict(spec.tiles)["block_c"] == 1
     # a forced block_c that does not fit is refused with the reason, never shrunk
     with pytest.raises(ConvArgumentError, match="choose a smaller block_c"):
@@ -163,8 +144,8 @@ def _spills(report: str) -> dict[bool, int]:
 @pytest.mark.parametrize("name, params, tiles, load, element_fits", LOWER, ids=[c[0] for c in LOWER])
 def test_lowers_with_its_loads_and_vector_stores_within_registers(name, params, tiles, load, element_fits, tmp_path):
     P, Q = ConvSpec(**params).output_size(30, 31)
-    spec = dispatch.choose(params, "cuda", Problem(N=2, H=30, W=31, P=P, Q=Q, arch="sm_90a"), True, "ieee",
-                           family="grouped_nhwc", tiles=tiles)
+    spec = select.choose(params, "cuda", Problem(N=2, H=30, W=31, P=P, Q=Q, device=nominal("sm_90a")), True,
+                         "ieee", family="grouped_nhwc", tiles=tiles)
     text, report = lower(spec, tmp_path)
     spills = _spills(report)  # both input paths are built
     assert set(spills) == {True, False}, report
@@ -188,8 +169,8 @@ NCHW_LOWER = [
 @pytest.mark.parametrize("name, params, store", NCHW_LOWER, ids=[c[0] for c in NCHW_LOWER])
 def test_nchw_calls_lower_with_the_transpose_and_runs_of_pixels(name, params, store, tmp_path):
     P, Q = ConvSpec(**params).output_size(30, 32)
-    spec = dispatch.choose(params, "cuda", Problem(N=2, H=30, W=32, P=P, Q=Q, arch="sm_90a"), False, "ieee",
-                           family="grouped_nhwc")
+    spec = select.choose(params, "cuda", Problem(N=2, H=30, W=32, P=P, Q=Q, device=nominal("sm_90a")), False,
+                         "ieee", family="grouped_nhwc")
     assert spec.layout == "nchw"
     text, report = lower(spec, tmp_path)
     assert "kg_nhwc_transpose" in text  # the input's transpose into the workspace

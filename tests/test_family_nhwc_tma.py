@@ -1,11 +1,12 @@
 """CPU-tier tests of the `nhwc_tma` family (channels_last implicit GEMM fed by the TMA's im2col
 mode, sm_90a): no GPU needed.
 
-What they cover: which channels_last calls the dispatcher sends to it on Hopper and which stay
-with `nhwc` (short reductions, TF32 over windows that read the input under four times, strict
-float32, groups, targets before Hopper), that its refusals name the reason, that default and
-forced tiles fit and agree with the template's layout, and (with nvcc) that every dtype lowers to
-wgmma fed by TMA im2col and tiled copies through mbarriers, with no spills.
+What they cover: which calls it can serve (dense layers of whole 16-byte chunks of channels in
+TF32 and 16-bit, channels_last or through the input's transpose, on sm_90a) and which it cannot
+(strict float32, groups, targets before Hopper), that its refusals name the reason, that default
+and forced tiles fit and agree with the template's layout, and (with nvcc) that every dtype
+lowers to wgmma fed by TMA im2col and tiled copies through mbarriers, with no spills. Which
+family the selector picks for a call is measured, not asserted here.
 """
 
 from __future__ import annotations
@@ -14,24 +15,26 @@ import re
 
 import pytest
 
-from kernelgen import dispatch
+from kernelgen import select
+from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError
 from kernelgen.families import get_family
-from kernelgen.families.nhwc_tma import SHORT_1X1_K_TILES, SM_SMEM, SMEM_LIMIT, k_tiles, reg_cap, short_1x1
+from kernelgen.families.nhwc_tma import SHORT_1X1_K_TILES, k_tiles, reg_cap, short_1x1
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
 FAM = get_family("nhwc_tma")
 
 
-def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, dilation=1, groups=1, family=None, tiles=None,
-            arch="sm_90a", bias=False, channels_last=True):
+def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, dilation=1, groups=1, family="nhwc_tma",
+            tiles=None, arch="sm_90a", bias=False, channels_last=True):
+    """The spec `family` (this one by default) runs the call with, on a nominal GPU of target `arch`."""
     params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
                   dilation=dilation, groups=groups, dtype=dtype, bias=bias)
     P, Q = ConvSpec(**params).output_size(x[2], x[3])
-    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
-    return dispatch.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
-                           family=family, tiles=tiles)
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, device=nominal(arch))
+    return select.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
+                         family=family, tiles=tiles)
 
 
 VGG64 = dict(x=(8, 64, 224, 224), w=(64, 64, 3, 3), padding=1)
@@ -42,49 +45,46 @@ DOWN = dict(x=(32, 256, 56, 56), w=(512, 256, 1, 1), stride=2)
 L4 = dict(x=(32, 512, 7, 7), w=(512, 512, 3, 3), padding=1)  # ResNet-50's last 3x3: 13 tiles of 128 pixels
 
 
-@pytest.mark.parametrize("layer,tf32,bf16", [
-    (VGG64, "nhwc_tma", "nhwc_tma"), (VGG256, "nhwc_tma", "nhwc_tma"),
-    # TF32 past 64 output channels on a_regs tiles (no rounded copy), strided and short windows too
-    (S2, "nhwc_tma", "nhwc_tma"),
-    (PW, "nhwc_tma", "nhwc_tma"),  # 16-bit: one k-tile (short_1x1: tiles that walk)
-    (DOWN, "nhwc_tma", "nhwc_tma"),
-])
-def test_hopper_takes_it_for_long_reductions(layer, tf32, bf16):
-    assert _choose(**layer).family == tf32
-    assert _choose(**layer, dtype="bfloat16").family == bf16
-    assert _choose(**layer, dtype="float16").family == bf16
-    assert _choose(**layer, math="ieee").family == "nhwc"  # strict float32: nhwc's 3xTF32
-    assert _choose(**layer, dtype="bfloat16", arch="sm_80").family == "nhwc"
-    assert _choose(**layer, dtype="bfloat16", arch="sm_90").family == "nhwc"  # wgmma needs the 'a' target
-
-
-def _walk(spec) -> tuple:
-    t = dict(spec.tiles)
-    return spec.family, t["persist"], t["block_co"]
+@pytest.mark.parametrize("layer", [VGG64, VGG256, S2, PW, DOWN], ids=["vgg64", "vgg256", "s2", "pw", "down"])
+def test_serves_tf32_and_16_bit_on_sm_90a_only(layer):
+    for dtype in ("float32", "bfloat16", "float16"):
+        for channels_last in (True, False):
+            for wide in (False, True):  # the H100 and the H200
+                spec = _choose(**layer, dtype=dtype, channels_last=channels_last)
+                assert spec.layout == ("nhwc" if channels_last else "nchw")
+                FAM.check(spec, nominal("sm_90a", wide_dram=wide))
+    with pytest.raises(ConvArgumentError, match="3xTF32"):  # strict float32
+        _choose(**layer, math="ieee")
+    for arch in ("sm_80", "sm_89", "sm_90"):  # (wgmma and the TMA's im2col need the 'a' target)
+        with pytest.raises(ConvArgumentError, match="runs on sm_90a"):
+            _choose(**layer, dtype="bfloat16", arch=arch)
 
 
 @pytest.mark.parametrize("x, w, dtype, expect", [
     # 16-bit: every short reduction walks; 129-256 output channels in one block of 256, 64 or fewer
-    # with the weights resident in two pipelines
-    ((32, 24, 56, 56), (144, 24, 1, 1), "bfloat16", ("nhwc_tma", 1, 256)),
-    ((32, 16, 112, 112), (96, 16, 1, 1), "float16", ("nhwc_tma", 1, 128)),
-    ((32, 64, 56, 56), (256, 64, 1, 1), "bfloat16", ("nhwc_tma", 1, 256)),
-    ((32, 64, 56, 56), (64, 64, 1, 1), "bfloat16", ("nhwc_tma", 1, 64)),
-    ((32, 144, 56, 56), (24, 144, 1, 1), "bfloat16", ("nhwc_tma", 1, 64)),
-    ((32, 128, 28, 28), (128, 128, 1, 1), "bfloat16", ("nhwc_tma", 1, 128)),
-    ((32, 256, 14, 14), (1024, 256, 1, 1), "bfloat16", ("nhwc_tma", 1, 128)),
-    ((32, 320, 7, 7), (1280, 320, 1, 1), "bfloat16", ("nhwc_tma", 1, 128)),  # 5 k-tiles: the most
-    ((32, 512, 28, 28), (128, 512, 1, 1), "bfloat16", ("nhwc_tma", 0, 128)),  # 8: one block a tile
+    # with the weights resident in two pipelines; (persist, block_co)
+    ((32, 24, 56, 56), (144, 24, 1, 1), "bfloat16", (1, 256)),
+    ((32, 16, 112, 112), (96, 16, 1, 1), "float16", (1, 128)),
+    ((32, 64, 56, 56), (256, 64, 1, 1), "bfloat16", (1, 256)),
+    ((32, 64, 56, 56), (64, 64, 1, 1), "bfloat16", (1, 64)),
+    ((32, 144, 56, 56), (24, 144, 1, 1), "bfloat16", (1, 64)),
+    ((32, 128, 28, 28), (128, 128, 1, 1), "bfloat16", (1, 128)),
+    ((32, 256, 14, 14), (1024, 256, 1, 1), "bfloat16", (1, 128)),
+    ((32, 320, 7, 7), (1280, 320, 1, 1), "bfloat16", (1, 128)),  # 5 k-tiles: the most
+    ((32, 512, 28, 28), (128, 512, 1, 1), "bfloat16", (0, 128)),  # 8: one block a tile
     # TF32 into 64 or fewer: rounding warps, walking (over 64: a_regs tiles, below)
-    ((32, 64, 56, 56), (64, 64, 1, 1), "float32", ("nhwc_tma", 1, 64)),
-    ((32, 144, 56, 56), (24, 144, 1, 1), "float32", ("nhwc_tma", 1, 64)),  # 5 k-tiles of float32
-    ((32, 192, 28, 28), (64, 192, 1, 1), "float32", ("nhwc", None, None)),  # 6: past short_1x1
+    ((32, 64, 56, 56), (64, 64, 1, 1), "float32", (1, 64)),
+    ((32, 144, 56, 56), (24, 144, 1, 1), "float32", (1, 64)),  # 5 k-tiles of float32
+    ((32, 192, 28, 28), (64, 192, 1, 1), "float32", None),  # 6: past short_1x1
 ])
 def test_short_1x1_layers_walk_tiles(x, w, dtype, expect):
     spec = _choose(x, w, dtype=dtype)
-    assert _walk(spec) == expect if expect[0] == "nhwc_tma" else spec.family == expect[0]
-    if expect[0] == "nhwc_tma":
-        assert short_1x1(spec) == (k_tiles(spec) <= SHORT_1X1_K_TILES)
+    t = dict(spec.tiles)
+    assert short_1x1(spec) == (k_tiles(spec) <= SHORT_1X1_K_TILES)
+    if expect is None:
+        assert not short_1x1(spec)
+    else:
+        assert (t["persist"], t["block_co"]) == expect
     # not at stride 2, nor in NCHW (pointwise_tma and the 1x1 table decide those)
     assert not short_1x1(_choose(x, w, dtype=dtype, stride=2, family="nhwc_tma"))
     assert not short_1x1(_choose(x, w, dtype=dtype, channels_last=False, family="nhwc_tma"))
@@ -96,35 +96,17 @@ def test_short_1x1_tf32_layers_past_64_output_channels_keep_a_regs_tiles():
         assert (t["a_regs"], t["persist"], t["block_co"]) == (1, 1, 128)
 
 
-def test_nchw_calls_where_nhwc_would_take_them_with_a_kernel_over_1x1():
-    # both transpose an NCHW input into their workspace; nhwc_tma's 1x1 NCHW layers were even or slower
-    assert _choose(**VGG256, channels_last=False).family == "nhwc_tma"
-    assert _choose(**S2, dtype="bfloat16", channels_last=False).family == "nhwc_tma"
-    # TF32 layers of 33-64 output channels from 64 or more, on rows wgmma's tiles do not fill; bf16
-    # and strict float32 stay with wgmma, as do case 63 (16 -> 128) and case 56 (64 -> 128)
-    assert _choose(**VGG64, channels_last=False).family == "nhwc_tma"
-    # (rows of whole 128-column tiles stay on wgmma: the U-Net's 256-wide ones ran faster there)
-    assert _choose((4, 64, 256, 256), (64, 64, 3, 3), padding=1, channels_last=False).family == "wgmma"
-    assert _choose(**VGG64, dtype="bfloat16", channels_last=False).family == "wgmma"
-    assert _choose(**VGG64, math="ieee", channels_last=False).family == "wgmma"
-    assert _choose((16, 16, 1024, 1024), (128, 16, 3, 3), channels_last=False).family == "wgmma"
-    assert _choose((8, 64, 512, 256), (128, 64, 5, 7), channels_last=False).family == "wgmma"
-    assert _choose((8, 64, 512, 512), (16, 64, 3, 3), padding=1, channels_last=False).family == "wgmma"  # a 16/64 tile
-    assert _choose((32, 512, 7, 7), (512, 512, 3, 3), padding=1, channels_last=False).family == "nhwc_tma"
-    assert _choose((32, 2048, 7, 7), (512, 2048, 1, 1), channels_last=False).family == "nhwc"
-    assert _choose(**VGG256, math="ieee", channels_last=False).family == "wgmma"  # strict: 3xTF32
-    assert _choose(**VGG64, dtype="bfloat16", channels_last=False).family == "wgmma"  # nhwc does not take it either
-    spec = _choose(**VGG256, channels_last=False, bias=True)
-    assert spec.layout == "nchw" and spec.template_context()["WORKSPACE_PER_INPUT"] == 4
+def test_nchw_calls_transpose_their_input_into_the_workspace():
+    for layer, dtype, esize in ((VGG256, "float32", 4), (S2, "bfloat16", 2), (L4, "float16", 2)):
+        spec = _choose(**layer, dtype=dtype, channels_last=False, bias=True)
+        assert spec.layout == "nchw" and spec.template_context()["WORKSPACE_PER_INPUT"] == esize
 
 
-def test_what_it_does_not_take():
-    # grouped layers, channels in under a 16-byte chunk, output channels likewise
-    assert _choose((8, 64, 28, 28), (64, 32, 3, 3), groups=2, padding=1).family == "nhwc"
+def test_channels_in_whole_16_byte_chunks():
     # 12 float32 channels are whole chunks (the k-tile's other 20 are zero-filled); 12 bf16 are not
-    assert _choose((8, 12, 28, 28), (64, 12, 3, 3), padding=1).family == "nhwc_tma"
-    assert _choose((8, 12, 28, 28), (64, 12, 3, 3), dtype="bfloat16", padding=1).family == "direct"
-    assert _choose((8, 64, 28, 28), (30, 64, 3, 3), dtype="bfloat16", padding=1).family == "nhwc"
+    FAM.check(_choose((8, 12, 28, 28), (64, 12, 3, 3), padding=1))
+    with pytest.raises(ConvArgumentError, match="16-byte chunks"):
+        _choose((8, 12, 28, 28), (64, 12, 3, 3), dtype="bfloat16", padding=1)
 
 
 def test_refusals_say_why():
@@ -134,7 +116,7 @@ def test_refusals_say_why():
         _choose(**VGG64, math="ieee", family="nhwc_tma")
     with pytest.raises(ConvArgumentError, match="16-byte chunks"):
         _choose((8, 64, 28, 28), (30, 64, 3, 3), dtype="bfloat16", family="nhwc_tma")
-    with pytest.raises(ConvArgumentError, match="need sm_90a"):
+    with pytest.raises(ConvArgumentError, match="runs on sm_90a"):
         _choose(**VGG64, family="nhwc_tma", arch="sm_80")
     with pytest.raises(ConvArgumentError, match="im2col box"):
         _choose((1, 8, 300, 300), (8, 8, 3, 3), dilation=100, family="nhwc_tma")
@@ -174,7 +156,7 @@ def test_default_tiles_fit(layer, dtype):
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["BCO"] == t["block_co"]
     assert ctx["WN"] == (64 if areg else t["block_p"]) and ctx["AREG"] == areg
-    assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+    assert lay["SMEM_BYTES"] + lay["STATIC"] <= nominal().smem_block
     if halo:
         # persistent blocks, one an SM, over windows of 3 rows x 114 pixels; 16-bit with the
         # weights resident and three windows, TF32 with a ring of the weights' boxes and two
@@ -200,7 +182,7 @@ def test_default_tiles_fit(layer, dtype):
     else:
         # two blocks an SM with a ring of three slots or more, one block a tile
         assert (t["persist"], t["wres"], t["pipes"], t["min_blocks"]) == (0, 0, 1, 2) and t["stages"] >= 3
-        assert 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM
+        assert 2 * (lay["SMEM_BYTES"] + 1024) <= nominal().smem_sm
         assert lay["REGS"] <= reg_cap(lay["NTH"], 2) and lay["STAGED"] <= lay["RING"]
         assert lay["NTH"] == 128 * t["block_co"] // 64 + 32 + 32 * t["round_smem"]
     # the weights repacked in whole k-tiles, then room for a dense copy of the input
@@ -226,7 +208,7 @@ def test_register_and_shared_memory_budgets_follow_ptxas_and_the_driver():
     # weights' ring, which has none here) counts against the 227 KB too
     spec = _choose(**VGG256, family="nhwc_tma", tiles={"stages": 7, "min_blocks": 1, "a_regs": 0})
     lay = FAM.layout(spec, dict(spec.tiles))
-    assert lay["STATIC"] == 24 * 7 + 8 + 16 and lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
+    assert lay["STATIC"] == 24 * 7 + 8 + 16 and lay["SMEM_BYTES"] + lay["STATIC"] <= nominal().smem_block
 
 
 def test_resident_weights_and_two_pipelines_are_refused_where_they_cannot_work():
@@ -292,19 +274,17 @@ SMALL = dict(x=(32, 512, 7, 7), w=(512, 512, 3, 3), padding=1)  # 52 tiles of 12
 @pytest.mark.parametrize("layer,block_p", [(S2, 128), (DOWN, 128), (PW, 128), (VGG256, 128), (SMALL, 64),
                                            (dict(x=(32, 2048, 7, 7), w=(512, 2048, 1, 1)), 64)])
 def test_tf32_channels_last_past_64_output_channels_takes_a_regs_tiles(layer, block_p):
-    # (dispatch.py item 3 and nhwc_tma.py's default_tiles quote the A/B)
+    # (nhwc_tma.py's default_tiles quotes the A/B)
     t = dict(_choose(**layer).tiles)
     assert (t["a_regs"], t["persist"], t["round_smem"], t["block_co"], t["block_p"]) == (1, int(block_p == 128), 0, 128,
                                                                                          block_p)
     spec = _choose(**layer)
     lay = FAM.layout(spec, t)
     assert lay["NTH"] == 128 * block_p // 64 + 32 and lay["REGS"] <= reg_cap(lay["NTH"], t["min_blocks"])
-    assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
-    # 16-bit, strict float32, NCHW calls and 64 output channels or fewer keep what they had
+    assert lay["SMEM_BYTES"] + lay["STATIC"] <= nominal().smem_block
+    # 16-bit, NCHW calls and 64 output channels or fewer keep what they had
     assert dict(_choose(**layer, dtype="bfloat16", family="nhwc_tma").tiles)["a_regs"] == 0
-    assert _choose(**layer, math="ieee").family == "nhwc"
-    nchw = _choose(**layer, channels_last=False)
-    assert nchw.family != "nhwc_tma" or dict(nchw.tiles)["a_regs"] == 0
+    assert dict(_choose(**layer, channels_last=False).tiles)["a_regs"] == 0
     assert dict(_choose(**VGG64).tiles)["a_regs"] == 0
     # a forced a_regs=0 gives the tiles before them
     assert dict(_choose(**VGG256, family="nhwc_tma", tiles={"a_regs": 0}).tiles)["round_smem"] == 0

@@ -1,12 +1,13 @@
 """CPU-tier tests of the `pointwise_tma` family (1x1 NCHW convolutions read by the TMA, wgmma with
 register-held pixel fragments, sm_90a): no GPU needed.
 
-What they cover: which NCHW 1x1 calls the dispatcher sends to it on Hopper and which stay with
-the other families (short reductions, narrow outputs, strides, padding, strict float32, planes
-the TMA cannot address, targets before Hopper, channels_last), that its refusals name the reason,
-that default and forced tiles fit and agree with the template's layout, and (with nvcc) that
-every dtype lowers to wgmma with A from registers fed by tiled TMA copies through mbarriers,
-with no spills.
+What they cover: which calls it can serve (dense NCHW 1x1 layers at stride 1 in TF32 and 16-bit,
+on planes the TMA can address, on sm_90a) and which it cannot (strides, padding, strict float32,
+planes of part 16-byte chunks, targets before Hopper, channels_last), that its refusals name the
+reason, that default and forced tiles fit and agree with the template's layout, and (with nvcc)
+that every dtype lowers to wgmma with A from registers fed by tiled TMA copies through
+mbarriers, with no spills. Which family the selector picks for a call is measured, not asserted
+here.
 """
 
 from __future__ import annotations
@@ -15,24 +16,27 @@ import re
 
 import pytest
 
-from kernelgen import dispatch
+from kernelgen import select
+from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError
 from kernelgen.families import get_family
-from kernelgen.families.nhwc_tma import SM_SMEM, SMEM_LIMIT, reg_cap
+from kernelgen.families.nhwc_tma import reg_cap
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
 FAM = get_family("pointwise_tma")
 
 
-def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, family=None, tiles=None, arch="sm_90a",
-            bias=False, channels_last=False, wide_dram=False):
+def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, family="pointwise_tma", tiles=None,
+            arch="sm_90a", bias=False, channels_last=False, wide_dram=False):
+    """The spec `family` (this one by default) runs the call with, on a nominal GPU of target `arch`
+    (wide_dram: its larger-memory part)."""
     params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
                   dilation=1, groups=1, dtype=dtype, bias=bias)
     P, Q = ConvSpec(**params).output_size(x[2], x[3])
-    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch, wide_dram=wide_dram)
-    return dispatch.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
-                           family=family, tiles=tiles)
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, device=nominal(arch, wide_dram=wide_dram))
+    return select.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
+                         family=family, tiles=tiles)
 
 
 L1 = dict(x=(32, 256, 56, 56), w=(64, 256, 1, 1))  # ResNet-50's 256 -> 64
@@ -42,93 +46,93 @@ C87 = dict(x=(16, 64, 1024, 1024), w=(128, 64, 1, 1))
 
 
 @pytest.mark.parametrize("layer", [L1, L2, WIDE, dict(x=(32, 256, 14, 14), w=(1024, 256, 1, 1)),
-                                   dict(x=(32, 128, 56, 56), w=(512, 128, 1, 1)), dict(x=(32, 96, 56, 56), w=(96, 96, 1, 1))])
-def test_hopper_takes_nchw_1x1_reductions_from_96_channels(layer):
+                                   dict(x=(32, 128, 56, 56), w=(512, 128, 1, 1)),
+                                   dict(x=(32, 96, 56, 56), w=(96, 96, 1, 1))])
+def test_serves_nchw_1x1_layers_on_sm_90a_whose_planes_are_whole_chunks(layer):
     for dtype in ("float32", "bfloat16", "float16"):
         aligned = layer["x"][2] * layer["x"][3] * (4 if dtype == "float32" else 2) % 16 == 0
-        assert (_choose(**layer, dtype=dtype).family == "pointwise_tma") == aligned, dtype
-    assert _choose(**layer, math="ieee").family != "pointwise_tma"  # strict float32: 3xTF32 elsewhere
-    assert _choose(**layer, arch="sm_80").family != "pointwise_tma"
-    assert _choose(**layer, arch="sm_90").family != "pointwise_tma"  # wgmma needs the 'a' target
-    assert _choose(**layer, channels_last=True).family != "pointwise_tma"  # NCHW only
+        for wide in (False, True):  # the H100 and the H200
+            if aligned:
+                FAM.check(_choose(**layer, dtype=dtype, wide_dram=wide), nominal("sm_90a", wide_dram=wide))
+            else:
+                with pytest.raises(ConvArgumentError, match="16-byte chunks"):
+                    _choose(**layer, dtype=dtype, wide_dram=wide)
+    with pytest.raises(ConvArgumentError, match="strict float32"):  # 3xTF32 elsewhere
+        _choose(**layer, math="ieee")
+    for arch in ("sm_80", "sm_89", "sm_90"):  # (wgmma and the TMA need the 'a' target)
+        with pytest.raises(ConvArgumentError, match="runs on sm_90a"):
+            _choose(**layer, arch=arch)
+    with pytest.raises(ConvArgumentError, match="takes layouts"):  # NCHW only
+        _choose(**layer, channels_last=True)
 
 
 @pytest.mark.parametrize("layer", [
-    C87,  # 64 input channels on large planes: pointwise's 16-warp tiles measured ahead or even
-    # (on GPUs of the standard DRAM class: test_wide_dram_gpus_take_large_planes_too)
-    dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)),  # (4096 pixels: dispatch.POINTWISE_LARGE_PLANE)
+    C87,  # 64 input channels on large planes
+    dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)),
     dict(x=(32, 144, 56, 56), w=(24, 144, 1, 1)),  # under one wgmma N of outputs
     dict(x=(8, 256, 512, 512), w=(32, 256, 1, 1)),
     dict(x=(32, 16, 56, 56), w=(144, 16, 1, 1)),  # half a k-tile of float32 channels
+    dict(x=(32, 64, 56, 56), w=(64, 64, 1, 1)),
+    dict(x=(8, 48, 63, 64), w=(64, 48, 1, 1)),  # 4032 pixels; 48 16-bit channels: 3/4 of a k-tile
+    dict(x=(32, 24, 56, 56), w=(144, 24, 1, 1)),  # 16-bit: 3/8 of a k-tile
 ])
-def test_short_reductions_and_narrow_outputs_stay(layer):
-    for dtype in ("float32", "bfloat16"):
-        assert _choose(**layer, dtype=dtype).family != "pointwise_tma"
-    # ... though the family serves them when asked
-    assert _choose(**layer, family="pointwise_tma").family == "pointwise_tma"
-
-
-@pytest.mark.parametrize("layer", [C87, dict(x=(2, 64, 64, 64), w=(128, 64, 1, 1)), dict(x=(4, 48, 256, 256), w=(64, 48, 1, 1))])
-def test_wide_dram_gpus_take_large_planes_too(layer):
-    # dispatch.py, item 2: on an H200 pointwise's tiles cannot keep up with the memory (case 87
-    # TF32 4.78 ms against pointwise_tma's 3.43); on an H100 they keep case 87 (TF32 on
-    # pointwise_tile, item 5)
+def test_serves_short_reductions_and_narrow_outputs_too(layer):
     for dtype in ("float32", "bfloat16", "float16"):
-        assert _choose(**layer, dtype=dtype, wide_dram=True).family == "pointwise_tma", dtype
-        tile = dtype == "float32"
-        assert _choose(**layer, dtype=dtype).family == ("pointwise_tile" if tile else "pointwise"), dtype
-    assert _choose(**layer, math="ieee", wide_dram=True).family != "pointwise_tma"  # strict float32
-    assert _choose(**layer, arch="sm_80", wide_dram=True).family != "pointwise_tma"
-    # what the wide class does not change: outputs under one wgmma N, a k-tile under three quarters full
-    assert _choose(x=layer["x"], w=(32,) + layer["w"][1:], wide_dram=True).family != "pointwise_tma"
-    assert _choose(x=layer["x"][:1] + (24,) + layer["x"][2:], w=(144, 24, 1, 1), dtype="bfloat16",
-                   wide_dram=True).family != "pointwise_tma"
+        spec = _choose(**layer, dtype=dtype)
+        assert spec.layout == "nchw"
+        FAM.check(spec, nominal("sm_90a"))
 
 
-def test_plans_read_the_dram_class_off_the_gpu(monkeypatch):
-    """functional resolves (arch, wide_dram) once per device from its properties, and meta
-    planning for CUDA takes the current GPU's: a 141 GB Hopper part plans case 87 on
-    pointwise_tma, an 80 GB one on pointwise_tile, a CPU-only machine as the standard class."""
+def test_plans_read_the_gpu_off_the_device(monkeypatch):
+    """functional reads the GPU a CUDA call plans for once per device (kernelgen.device.of), and
+    meta planning for CUDA takes the current GPU; an explicit planning target (kernelgen warm
+    --arch) outranks it; a machine without a GPU plans with none (the families then size for a
+    nominal H100)."""
     import types
 
     import torch
 
+    from kernelgen import device as kg_device
     from kernelgen import functional
 
+    seen = []
+    real = select.ranked
+    monkeypatch.setattr(select, "ranked", lambda params, dev, problem, *a, **kw: seen.append(problem.device)
+                        or real(params, dev, problem, *a, **kw))
     x = torch.empty(*C87["x"], device="meta")
     w = torch.empty(*C87["w"], device="meta")
-    monkeypatch.setattr(functional, "_target_by_device", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise_tile"  # no GPU: sm_* unknown
+    functional.spec_for(x, w, None, device="cuda")
+    assert seen[-1] is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    for gib, family in ((143, "pointwise_tma"), (79, "pointwise_tile")):
-        props = types.SimpleNamespace(major=9, minor=0, total_memory=gib << 30)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, p=props: p)
-        monkeypatch.setattr(functional, "_target_by_device", {})
-        assert functional._cuda_target(0) == ("sm_90a", gib == 143)
-        assert functional.spec_for(x, w, None, device="cuda")[0].family == family, gib
-        # an explicit planning target (kernelgen warm --arch) outranks the local GPU's
-        with functional.planning_for("sm_90a", wide_dram=gib != 143):
-            assert functional.spec_for(x, w, None, device="cuda")[0].family != family
-            with functional.planning_for("sm_80", wide_dram=True):
-                assert functional.spec_for(x, w, None, device="cuda")[0].family == "pointwise_tile"
-
-
-@pytest.mark.parametrize("layer,tf32,bf16", [
-    (dict(x=(32, 64, 56, 56), w=(64, 64, 1, 1)), True, True),
-    (dict(x=(32, 64, 56, 56), w=(256, 64, 1, 1)), True, True),
-    (dict(x=(8, 48, 63, 64), w=(64, 48, 1, 1)), True, True),  # 4032 pixels; 48 16-bit channels: 3/4 k-tile
-    (dict(x=(32, 24, 56, 56), w=(144, 24, 1, 1)), True, False),  # 16-bit: 3/8 of a k-tile
-    (dict(x=(32, 32, 56, 56), w=(144, 32, 1, 1)), True, False),
-])
-def test_short_reductions_on_small_planes(layer, tf32, bf16):
-    # dispatch.py, item 2: reductions under 96 channels on planes under 4096 pixels, their first
-    # 128-byte k-tile at least three quarters full
-    assert (_choose(**layer).family == "pointwise_tma") == tf32
-    assert (_choose(**layer, dtype="bfloat16").family == "pointwise_tma") == bf16
-    assert (_choose(**layer, dtype="float16").family == "pointwise_tma") == bf16
-    assert _choose(**layer, math="ieee").family != "pointwise_tma"
+    h200 = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=141 << 30,
+                                 multi_processor_count=132, shared_memory_per_block_optin=227 << 10,
+                                 shared_memory_per_multiprocessor=228 << 10, regs_per_multiprocessor=65536,
+                                 L2_cache_size=60 << 20, memory_clock_rate=3_200_000, memory_bus_width=6144,
+                                 clock_rate=1_980_000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: h200)
+    kg_device.of.cache_clear()
+    try:
+        functional.spec_for(x, w, None, device="cuda")
+        gpu = seen[-1]
+        assert (gpu.name, gpu.arch, gpu.sms, gpu.key, gpu.source) == ("NVIDIA H200", "sm_90a", 132, "nvidia-h200",
+                                                                       "device")
+        assert gpu.dram_bytes_s == 2 * 3_200_000e3 * 6144 / 8 and gpu.l2_bytes == 60 << 20
+        with functional.planning_for("sm_90a"):
+            functional.spec_for(x, w, None, device="cuda")
+            assert seen[-1] == nominal("sm_90a")
+            with functional.planning_for("sm_80", wide_dram=True):  # (no larger part of sm_80)
+                functional.spec_for(x, w, None, device="cuda")
+                assert seen[-1] == nominal("sm_80")
+            with functional.planning_for(nominal("sm_89")):
+                functional.spec_for(x, w, None, device="cuda")
+                assert seen[-1] == nominal("sm_89")
+        with functional.planning_for("sm_90a", wide_dram=True):
+            functional.spec_for(x, w, None, device="cuda")
+            assert seen[-1] == nominal("sm_90a", wide_dram=True) and seen[-1].name == "NVIDIA H200"
+    finally:
+        kg_device.of.cache_clear()
 
 
 def test_refusals_name_the_reason():
@@ -155,7 +159,8 @@ def test_refusals_name_the_reason():
     params = dict(in_channels=64, out_channels=64, kernel_size=1, stride=1, padding=0, dilation=1, groups=2,
                   dtype="bfloat16", bias=False)
     with pytest.raises(ConvArgumentError, match="dense layers"):
-        dispatch.choose(params, "cuda", Problem(4, 8, 8, 8, 8, "sm_90a"), False, "ieee", family="pointwise_tma")
+        select.choose(params, "cuda", Problem(4, 8, 8, 8, 8, device=nominal("sm_90a")), False, "ieee",
+                      family="pointwise_tma")
 
 
 @pytest.mark.parametrize("layer", [L1, L2, WIDE, C87, dict(x=(2, 16, 12, 12), w=(80, 16, 1, 1))])
@@ -164,8 +169,8 @@ def test_default_tiles_fit_and_agree_with_the_layout(layer, dtype):
     spec = _choose(**layer, dtype=dtype, family="pointwise_tma")
     t = dict(spec.tiles)
     lay = FAM.layout(spec, t)
-    assert lay["SMEM_BYTES"] + lay["STATIC"] <= SMEM_LIMIT
-    assert t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM
+    assert lay["SMEM_BYTES"] + lay["STATIC"] <= nominal().smem_block
+    assert t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) <= nominal().smem_sm
     assert lay["REGS"] <= reg_cap(lay["NTH"], t["min_blocks"])
     esize = 4 if dtype == "float32" else 2
     k_tiles = -(-spec.in_channels * esize // 128)
@@ -229,7 +234,7 @@ def test_a_forced_ring_outside_the_defaults_is_tried():
 
 
 def test_strided_nchw_1x1_layers_run_on_their_sampled_view():
-    """dispatch.sampled_1x1: an NCHW 1x1 layer with a stride and no padding is planned as the
+    """select.sampled_1x1: an NCHW 1x1 layer with a stride and no padding is planned as the
     stride-1 layer of input[..., ::sh, ::sw] on CUDA; padding, groups, channels_last, a forced
     family and the CPU keep the call as it is."""
     import torch

@@ -1,8 +1,9 @@
 """CPU-tier tests of the `wgmma` family (Hopper warpgroup MMA): no GPU needed.
 
-What they cover: which specs and targets it accepts, where the dispatcher sends it, that
-its layout constants agree with each other, that default tiles fit the SM, and (with nvcc)
-that the rendered CUDA lowers to wgmma.mma_async with no spills and no serialised wgmma.
+What they cover: which specs and targets it accepts (column stride 1, sm_90a), that its layout
+constants agree with each other, that default tiles fit the SM, and (with nvcc) that the
+rendered CUDA lowers to wgmma.mma_async with no spills and no serialised wgmma. Which family the
+selector picks for a call is measured, not asserted here.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import re
 
 import pytest
 
-from kernelgen import dispatch
-from kernelgen.errors import Unsupported
+from kernelgen import select
+from kernelgen.device import nominal
+from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
-from kernelgen.families.wgmma import FLUSH_K, SMEM_LIMIT
+from kernelgen.families.wgmma import FLUSH_K
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
 FAM = get_family("wgmma")
+SMEM_BLOCK = nominal().smem_block  # the H100's (the H200's too)
 
 # The KernelBench cases the family is for, and the two memory-bound ones it can also serve.
 CASES = {
@@ -28,86 +31,70 @@ CASES = {
 }
 
 
-def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, groups=1, arch="sm_90a", family=None,
-            tiles=None):
+def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, groups=1, arch="sm_90a", family="wgmma",
+            tiles=None, wide_dram=False):
+    """The spec `family` (this one by default) runs an NCHW call with, on a nominal GPU of target
+    `arch` (wide_dram: its larger-memory part)."""
     params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
                   dilation=1, groups=groups, dtype=dtype, bias=False)
     probe = ConvSpec(**params)
     P, Q = probe.output_size(x[2], x[3])
-    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, arch=arch)
-    return dispatch.choose(params, "cuda", problem, False, math if dtype == "float32" else "ieee", family=family,
-                           tiles=tiles)
+    problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, device=nominal(arch, wide_dram=wide_dram))
+    return select.choose(params, "cuda", problem, False, math if dtype == "float32" else "ieee", family=family,
+                         tiles=tiles)
 
 
-def test_dispatcher_sends_long_reductions_to_wgmma_on_hopper_only():
-    assert _choose(**CASES["56"]).family == "wgmma"
-    assert _choose(**CASES["56"], dtype="bfloat16").family == "wgmma"
-    assert _choose(**CASES["63"], dtype="bfloat16").family == "wgmma"
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_serves_the_cases_in_every_precision_on_hopper_only(case):
+    for dtype, math in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee"), ("float16", "ieee")):
+        for wide in (False, True):  # the H100 and the H200
+            spec = _choose(**CASES[case], dtype=dtype, math=math, wide_dram=wide)
+            assert spec.layout == "nchw" and spec.math == math
+            FAM.check(spec, nominal("sm_90a", wide_dram=wide))
+        for arch in ("sm_80", "sm_89", "sm_90"):  # (wgmma needs the 'a' target)
+            with pytest.raises(ConvArgumentError, match="runs on sm_90a"):
+                _choose(**CASES[case], dtype=dtype, math=math, arch=arch)
+    with pytest.raises(ConvArgumentError, match="dtype float64"):
+        _choose(**CASES[case], dtype="float64", math="ieee")
+
+
+def test_default_tiles_of_the_cases():
     # 63 (16x3x3): staged epilogue and cp.async input.
     spec63 = _choose(**CASES["63"])
-    assert spec63.family == "wgmma"
     assert dict(spec63.tiles)["stage_out"] == 1 and dict(spec63.tiles)["async_x"] == 1
     # compute-bound: ring slots first, the output staged in the ring's held slots
     assert FAM.layout(_choose(**CASES["56"]))["RSTAGE"]
-    # Strict float32 runs 3xTF32 on wgmma, down to 1x1 (87), where TF32 keeps mma.sync (one block a
-    # tile) and bf16 pointwise's persistent tiles.
-    assert _choose(**CASES["63"], math="ieee").family == "wgmma"
-    assert _choose(**CASES["87"]).family == "pointwise_tile"
-    assert _choose(**CASES["87"], math="ieee").family == "wgmma"
-    assert _choose(**CASES["87"], dtype="bfloat16").family == "pointwise"
-    assert _choose(**CASES["56"], dtype="float64", math="ieee").family == "direct"
-    assert _choose(**CASES["56"], arch="sm_80").family == "igemm"
-    assert _choose(**CASES["56"], arch="").family == "igemm"
-    # Off Hopper strict float32 runs 3xTF32 on mma.sync; a column stride other than 1 cannot use
-    # the halo trick.
-    assert _choose(**CASES["56"], math="ieee").family == "wgmma"
-    assert _choose(**CASES["56"], math="ieee", arch="sm_80").family == "igemm"
-    assert _choose(**CASES["87"], math="ieee", arch="sm_80").family == "pointwise"
-    assert _choose(**CASES["56"], stride=(1, 2)).family == "igemm"
 
 
-@pytest.mark.parametrize("x,w,stride,padding,expect", [
-    # (TF32, strict, bf16): float32 first layers with rows of two 128-column tiles take wgmma,
-    # except 1-3 channels into 64 or fewer (igemm's packed taps; strict up to 9 taps)
-    ((16, 3, 512, 512), (64, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
-    ((8, 3, 512, 512), (64, 3, 5, 5), 1, 2, ("igemm", "wgmma", "igemm")),
-    ((16, 2, 256, 256), (64, 2, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
-    ((16, 4, 512, 512), (64, 4, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
-    ((16, 3, 512, 512), (128, 3, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
-    # narrower rows, fewer output channels, a column stride: igemm (strict 3xTF32 too, its taps
-    # packed into the reduction; unpacked up to 9 taps)
-    ((32, 3, 224, 224), (64, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
-    ((16, 3, 256, 256), (16, 3, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
-    ((32, 3, 224, 224), (32, 3, 3, 3), 2, 1, ("igemm", "igemm", "igemm")),
-    ((32, 3, 224, 224), (64, 3, 7, 7), 2, 3, ("igemm", "igemm", "igemm")),
-    # 1x1 stays pointwise's or direct's
-    ((16, 3, 512, 512), (64, 3, 1, 1), 1, 0, ("igemm", "igemm", "igemm")),
-    # TF32 reductions under 128 from a whole k-step of channels (8) take wgmma on such rows too,
-    # also 3x1 and with a row stride; 12 channels (padded to 16), or 224-wide rows, stay on igemm
-    ((16, 8, 512, 512), (64, 8, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
-    ((16, 8, 512, 512), (64, 8, 3, 1), 1, (1, 0), ("wgmma", "igemm", "igemm")),
-    ((16, 8, 512, 512), (64, 8, 3, 3), (2, 1), 1, ("wgmma", "wgmma", "igemm")),
-    ((16, 12, 512, 512), (64, 12, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
-    ((32, 8, 224, 224), (64, 8, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
-    # float32 with 16-63 output channels from reductions of 256 or more (strict: 128) on such
-    # rows; shorter ones, 224-wide rows, 1x1 and 16-bit stay on igemm
-    ((8, 32, 512, 512), (32, 32, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
-    ((8, 64, 512, 512), (16, 64, 3, 3), 1, 1, ("wgmma", "wgmma", "igemm")),
-    ((16, 8, 512, 512), (16, 8, 7, 7), 1, 3, ("wgmma", "wgmma", "igemm")),
-    ((8, 16, 512, 512), (32, 16, 3, 3), 1, 1, ("igemm", "wgmma", "igemm")),
-    ((8, 8, 512, 512), (32, 8, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
-    ((8, 32, 224, 224), (32, 32, 3, 3), 1, 1, ("igemm", "igemm", "igemm")),
-    ((8, 256, 512, 512), (32, 256, 1, 1), 1, 0, ("pointwise", "pointwise", "pointwise")),
+@pytest.mark.parametrize("x,w,stride,padding", [
+    # float32 first layers (padded to a k-step), narrow outputs, rows of any width, a row stride
+    ((16, 3, 512, 512), (64, 3, 3, 3), 1, 1),
+    ((8, 3, 512, 512), (64, 3, 5, 5), 1, 2),
+    ((16, 2, 256, 256), (64, 2, 3, 3), 1, 1),
+    ((16, 4, 512, 512), (64, 4, 3, 3), 1, 1),
+    ((32, 3, 224, 224), (64, 3, 3, 3), 1, 1),
+    ((16, 3, 256, 256), (16, 3, 3, 3), 1, 1),
+    ((16, 3, 512, 512), (64, 3, 1, 1), 1, 0),
+    ((16, 8, 512, 512), (64, 8, 3, 1), 1, (1, 0)),
+    ((16, 8, 512, 512), (64, 8, 3, 3), (2, 1), 1),
+    ((16, 12, 512, 512), (64, 12, 3, 3), 1, 1),
+    ((8, 64, 512, 512), (16, 64, 3, 3), 1, 1),
+    ((16, 8, 512, 512), (16, 8, 7, 7), 1, 3),
+    ((8, 256, 512, 512), (32, 256, 1, 1), 1, 0),
+    # a column stride: not its (the halo's columns are read in a row)
+    ((32, 3, 224, 224), (32, 3, 3, 3), 2, 1),
+    ((32, 3, 224, 224), (64, 3, 7, 7), 2, 3),
 ])
-def test_dispatcher_serves_first_layers_on_tensor_cores(x, w, stride, padding, expect):
-    got = tuple(_choose(x, w, dtype=dt, math=m, stride=stride, padding=padding).family
-                for dt, m in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")))
-    assert got == expect
-    # Off Hopper no wgmma: igemm where it is worth it, else direct.
-    off = tuple(_choose(x, w, dtype=dt, math=m, stride=stride, padding=padding, arch="sm_80").family
-                for dt, m in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")))
-    # (Off Hopper, strict float32 of 1-3 channels packs its taps on igemm too.)
-    assert off == tuple("igemm" if f == "wgmma" else f for f in expect)
+def test_serves_first_layers_and_narrow_outputs_at_column_stride_1(x, w, stride, padding):
+    column_stride = stride if isinstance(stride, int) else stride[1]
+    for dtype, math in (("float32", "tf32"), ("float32", "ieee"), ("bfloat16", "ieee")):
+        if column_stride == 1:
+            spec = _choose(x, w, dtype=dtype, math=math, stride=stride, padding=padding)
+            FAM.check(spec, nominal())
+            assert FAM.layout(spec)["SMEM_BYTES"] <= SMEM_BLOCK
+        else:
+            with pytest.raises(ConvArgumentError, match="column stride of 1"):
+                _choose(x, w, dtype=dtype, math=math, stride=stride, padding=padding)
 
 
 def test_refusals_say_why():
@@ -126,7 +113,7 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype, math):
     # 3xTF32 stages every operand twice (its TF32 rounding, then the rounding of the rest).
     nspl = 2 if lay["SPLIT3"] else 1
     assert lay["SPLIT3"] == (dtype == "float32" and math == "ieee")
-    assert lay["SMEM_BYTES"] <= SMEM_LIMIT
+    assert lay["SMEM_BYTES"] <= SMEM_BLOCK
     # Shared memory: resident weights (or none), the ring of stage slots (16-byte rows) and the
     # staged epilogue's rows (16 channels per computing warp, of one output row, or of all TP with
     # overlap) and, with a producer warpgroup (ws), two mbarriers per slot.
@@ -158,17 +145,17 @@ def test_tile_checks_name_the_problem():
     spec = _choose(**CASES["56"], family="wgmma")
     t = dict(spec.tiles)
     with pytest.raises(Unsupported, match="block_k"):
-        FAM.check_tiles(spec, {**t, "block_k": 12})
+        FAM.check_tiles(spec, {**t, "block_k": 12}, nominal())
     with pytest.raises(Unsupported, match="shared memory"):
-        FAM.check_tiles(spec, {**t, "block_k": 64, "full_kh": 1})
+        FAM.check_tiles(spec, {**t, "block_k": 64, "full_kh": 1}, nominal())
     with pytest.raises(Unsupported, match="accumulators"):
-        FAM.check_tiles(spec, {**t, "tile_p": 4, "tile_q": 128})
+        FAM.check_tiles(spec, {**t, "tile_p": 4, "tile_q": 128}, nominal())
     # Overlapped stores need one stage per tile and the staged epilogue.
     with pytest.raises(Unsupported, match="overlap=1"):
-        FAM.check_tiles(spec, {**t, "overlap": 1, "stage_out": 1})
+        FAM.check_tiles(spec, {**t, "overlap": 1, "stage_out": 1}, nominal())
     spec63 = _choose(**CASES["63"], family="wgmma")
     with pytest.raises(Unsupported, match="overlap=1"):
-        FAM.check_tiles(spec63, {**dict(spec63.tiles), "overlap": 1, "stage_out": 0})
+        FAM.check_tiles(spec63, {**dict(spec63.tiles), "overlap": 1, "stage_out": 0}, nominal())
 
 
 def test_overlapped_stores_are_forced_only():
@@ -194,7 +181,7 @@ def test_short_reductions_take_the_producer_warpgroup():
         assert (t["ws"], t["tile_p"], t["nbuf"], t["overlap"]) == (1, 1, nbuf, 0)
         assert t["strip"] == (dtype == "float32")
         lay = FAM.layout(spec)
-        assert lay["WS"] and lay["NTH"] == 384 and lay["NTP"] == 128 and lay["SMEM_BYTES"] <= SMEM_LIMIT
+        assert lay["WS"] and lay["NTH"] == 384 and lay["NTP"] == 128 and lay["SMEM_BYTES"] <= SMEM_BLOCK
         assert lay["WRES"] and (lay["PREGS"], lay["CREGS"]) == (0, 0)
         # Producers keep two tiles' loads in flight (two sets of groups): 16-bit halos, and a
         # strip's input rows (two groups a row); float32 halos (four groups) keep one set.
@@ -210,16 +197,16 @@ def test_short_reductions_take_the_producer_warpgroup():
             t = {**t, "strip": 0}
             on = FAM.layout(spec, {**t, "a_regs": 1, "nbuf": 4})
             assert on["AREG"] and on["LINES"] and on["ESRS"] == 168
-            assert on["SMEM_BYTES"] == 16 * 4 * on["XVEC"] + 8 * 16 * 168 * 4 + 16 * 4 <= SMEM_LIMIT
+            assert on["SMEM_BYTES"] == 16 * 4 * on["XVEC"] + 8 * 16 * 168 * 4 + 16 * 4 <= SMEM_BLOCK
             # Accumulators and A fragments (64 + 72) outgrow the even share of 168: the producer
             # (its 4 groups of 16, GROUP_REGS and 13 rows' offsets: 128) gives registers back.
             assert on["REGS"] == 64 + 72 + 48 <= on["CREGS"] == 184 and on["PREGS"] == 128
             assert 128 * on["PREGS"] + 256 * on["CREGS"] <= 384 * 168
-            FAM.check_tiles(spec, {**t, "a_regs": 1, "nbuf": 4})
+            FAM.check_tiles(spec, {**t, "a_regs": 1, "nbuf": 4}, nominal())
             with pytest.raises(Unsupported, match="shared memory"):
-                FAM.check_tiles(spec, {**t, "a_regs": 1, "nbuf": 6})
+                FAM.check_tiles(spec, {**t, "a_regs": 1, "nbuf": 6}, nominal())
     with pytest.raises(Unsupported, match="exclusive"):
-        FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1})
+        FAM.check_tiles(spec, {**dict(spec.tiles), "overlap": 1}, nominal())
 
 
 def test_strips_hold_input_rows_and_serve_short_tf32_reductions():
@@ -229,23 +216,23 @@ def test_strips_hold_input_rows_and_serve_short_tf32_reductions():
     # A slot is one input row (4 chunks x 130 columns): ten of them beside the resident weights
     # and the staging rows, where halos (three rows each) fitted three slots.
     assert lay["STRIP"] and not lay["LINES"] and lay["XR"] == 3 and lay["NBUF"] == 10
-    assert lay["SMEM_BYTES"] == 16 * (lay["WVEC"] + 10 * 4 * 130) + lay["EPI_BYTES"] + 16 * 10 <= SMEM_LIMIT
+    assert lay["SMEM_BYTES"] == 16 * (lay["WVEC"] + 10 * 4 * 130) + lay["EPI_BYTES"] + 16 * 10 <= SMEM_BLOCK
     with pytest.raises(Unsupported, match="shared memory"):
-        FAM.check_tiles(spec, {**t, "nbuf": 11})
+        FAM.check_tiles(spec, {**t, "nbuf": 11}, nominal())
     five = _choose(x=(2, 8, 64, 256), w=(128, 8, 5, 5), family="wgmma")
     with pytest.raises(Unsupported, match="a ring slot for each"):
         FAM.check_tiles(five, {**dict(five.tiles), "strip": 1, "ws": 1, "tile_p": 1, "block_k": 8, "full_kh": 1,
-                               "async_x": 1, "nbuf": 4})
+                               "async_x": 1, "nbuf": 4}, nominal())
     # Strips are TF32's, under a producer, one-row tiles of one stage.
     for bad in ({"ws": 0}, {"tile_p": 2}, {"async_x": 0}):
         with pytest.raises(Unsupported, match="strip=1 needs"):
-            FAM.check_tiles(spec, {**t, **bad})
+            FAM.check_tiles(spec, {**t, **bad}, nominal())
     for kw in (dict(dtype="bfloat16"), dict(math="ieee")):
         other = _choose(**CASES["63"], family="wgmma", **kw)
         assert dict(other.tiles)["strip"] == 0
         with pytest.raises(Unsupported, match="strip=1 needs"):
-            FAM.check_tiles(other, {**dict(other.tiles), "strip": 1, "ws": 1, "tile_p": 1, "nbuf": 3})
-    # The dispatcher: rows on 32-byte sectors or 8 strips wide, kernels taller than the row
+            FAM.check_tiles(other, {**dict(other.tiles), "strip": 1, "ws": 1, "tile_p": 1, "nbuf": 3}, nominal())
+    # The default: rows on 32-byte sectors or 8 strips wide, kernels taller than the row
     # stride, reductions under SHORT_WS_K; the rest keep row order.
     strip = lambda x, w, **kw: dict(_choose(x, w, **kw).tiles).get("strip")  # noqa: E731
     assert strip((8, 16, 512, 512), (64, 16, 3, 3), padding=1) == 1
@@ -259,21 +246,21 @@ def test_strips_hold_input_rows_and_serve_short_tf32_reductions():
 def test_strip_rings_keep_a_slot_beyond_what_a_consumer_holds():
     # The producer hands a cp.async row over once the next row's copies are in a free slot, so a
     # strip's ring holds a tile's XR rows and one more: nbuf == XR waited forever once a band had
-    # two tiles. A 10-row kernel (XR 10) therefore no longer takes strips in the dispatcher's
+    # two tiles. A 10-row kernel (XR 10) therefore no longer takes strips in the default tiles'
     # deepest ring, 10.
     spec = _choose(**CASES["63"], family="wgmma")
     t = dict(spec.tiles)
     with pytest.raises(Unsupported, match=r"3 input rows and one more \(nbuf > 3\)"):
-        FAM.check_tiles(spec, {**t, "nbuf": 3})
-    FAM.check_tiles(spec, {**t, "nbuf": 4})
+        FAM.check_tiles(spec, {**t, "nbuf": 3}, nominal())
+    FAM.check_tiles(spec, {**t, "nbuf": 4}, nominal())
     tall = _choose(x=(8, 16, 512, 513), w=(64, 16, 10, 1), family="wgmma")
     assert dict(tall.tiles)["strip"] == 0
     as_strip = {**dict(tall.tiles), "strip": 1, "ws": 1, "tile_p": 1, "async_x": 1, "block_k": 16,
                 "nbuf": 10}
     assert FAM.layout(tall, as_strip)["XR"] == 10
     with pytest.raises(Unsupported, match=r"nbuf > 10"):
-        FAM.check_tiles(tall, as_strip)
-    FAM.check_tiles(tall, {**as_strip, "nbuf": 11})  # (the dispatcher's rings stop at 10)
+        FAM.check_tiles(tall, as_strip, nominal())
+    FAM.check_tiles(tall, {**as_strip, "nbuf": 11}, nominal())  # (the default rings stop at 10)
 
 
 def test_two_accumulator_sets_by_default_only_for_strict_128_channel_tiles_of_several_taps():
@@ -309,14 +296,14 @@ def test_two_accumulator_sets_by_default_only_for_strict_128_channel_tiles_of_se
     spec = _choose(**CASES["63"], family="wgmma")
     t = {**dict(spec.tiles), "acc2": 1}
     with pytest.raises(Unsupported, match=r"acc2=1 needs a ring slot for each of 6 input rows"):
-        FAM.check_tiles(spec, {**t, "nbuf": 6})
-    FAM.check_tiles(spec, {**t, "nbuf": 7})
+        FAM.check_tiles(spec, {**t, "nbuf": 6}, nominal())
+    FAM.check_tiles(spec, {**t, "nbuf": 7}, nominal())
     # One stage a tile under a producer only.
     long = _choose(**CASES["56"], family="wgmma")
     with pytest.raises(Unsupported, match="acc2=1 needs one stage a tile"):
-        FAM.check_tiles(long, {**dict(long.tiles), "acc2": 1})
+        FAM.check_tiles(long, {**dict(long.tiles), "acc2": 1}, nominal())
     with pytest.raises(Unsupported, match="acc2=1 needs one stage a tile"):
-        FAM.check_tiles(spec, {**t, "strip": 0, "ws": 0, "nbuf": 3})
+        FAM.check_tiles(spec, {**t, "strip": 0, "ws": 0, "nbuf": 3}, nominal())
 
 
 @pytest.mark.parametrize("x, w, math, padding, expect", [
@@ -346,7 +333,7 @@ def test_two_accumulator_sets_by_default_only_for_strict_128_channel_tiles_of_se
 def test_short_float32_reductions_over_several_stages_take_a_producer(x, w, math, padding, expect):
     spec = _choose(x, w, math=math, padding=padding)
     t = dict(spec.tiles)
-    assert spec.family == "wgmma" and (t["ws"], t["tile_p"]) == expect
+    assert (t["ws"], t["tile_p"]) == expect
     assert FAM.layout(spec)["SPT"] > 1 or t["ws"] == 0
 
 
@@ -378,10 +365,10 @@ def test_long_reductions_take_the_producer_warpgroup_with_a_register_split():
         # The launch gives 384 threads 168 registers each; the split stays within that pool.
         assert 0 < lay["PREGS"] < 168 < lay["REGS"] <= lay["CREGS"]
         assert 128 * lay["PREGS"] + 256 * lay["CREGS"] <= 384 * 168
-        assert lay["SMEM_BYTES"] == 16 * (3 * (lay["WVEC"] + lay["XVEC"]) + 3) <= SMEM_LIMIT  # ring + 6 mbarriers
+        assert lay["SMEM_BYTES"] == 16 * (3 * (lay["WVEC"] + lay["XVEC"]) + 3) <= SMEM_BLOCK  # ring + 6 mbarriers
         # A split needs the whole register file: no second block.
         with pytest.raises(Unsupported, match="min_blocks=1"):
-            FAM.check_tiles(spec, {**t, "min_blocks": 2})
+            FAM.check_tiles(spec, {**t, "min_blocks": 2}, nominal())
 
 
 def test_strict_float32_runs_3xtf32_with_partial_sums_over_long_reductions():
@@ -392,7 +379,7 @@ def test_strict_float32_runs_3xtf32_with_partial_sums_over_long_reductions():
     assert (t["ws"], t["tile_p"], t["tile_q"], t["block_k"], t["full_kh"]) == (1, 1, 128, 8, 0)
     assert lay["SPLIT3"] and lay["FLUSH"] and lay["RSTAGE"] and lay["REGS"] == 64 * 2 + 48 <= lay["CREGS"]
     with pytest.raises(Unsupported, match="registers"):
-        FAM.check_tiles(spec, {**t, "tile_q": 256})
+        FAM.check_tiles(spec, {**t, "tile_q": 256}, nominal())
     # 63 and 87 (one stage a tile, reductions of 144 and 64): no partial sums; the small weights
     # in the consumers' registers (4 a k-step), the big ones resident, 64-column staged tiles.
     for case, ksteps in (("63", 18), ("87", 8)):
@@ -402,19 +389,19 @@ def test_strict_float32_runs_3xtf32_with_partial_sums_over_long_reductions():
         assert lay["SPLIT3"] and lay["WRES"] and lay["AREG"] and not lay["FLUSH"]
         # 63 (nine taps) also keeps two accumulator sets; 87 (one tap) one.
         assert t["acc2"] == (case == "63")
-        assert lay["REGS"] == 32 * (1 + t["acc2"]) + 4 * ksteps + 48 and lay["SMEM_BYTES"] <= SMEM_LIMIT
+        assert lay["REGS"] == 32 * (1 + t["acc2"]) + 4 * ksteps + 48 and lay["SMEM_BYTES"] <= SMEM_BLOCK
         # Both halves in shared memory (a_regs=0): 63's pair (147 KB) leaves no room for staging.
         if case == "63":
             with pytest.raises(Unsupported, match="shared memory"):
-                FAM.check_tiles(spec, {**t, "a_regs": 0})
+                FAM.check_tiles(spec, {**t, "a_regs": 0}, nominal())
     # Registers hold weights only for float32 with one stage a tile.
     with pytest.raises(Unsupported, match="a_regs"):
         spec63 = _choose(**CASES["63"], dtype="bfloat16", family="wgmma")
-        FAM.check_tiles(spec63, {**dict(spec63.tiles), "a_regs": 1})
+        FAM.check_tiles(spec63, {**dict(spec63.tiles), "a_regs": 1}, nominal())
     for math in ("ieee", "tf32"):
         spec56 = _choose(**CASES["56"], math=math)
         with pytest.raises(Unsupported, match="a_regs"):
-            FAM.check_tiles(spec56, {**dict(spec56.tiles), "a_regs": 1})
+            FAM.check_tiles(spec56, {**dict(spec56.tiles), "a_regs": 1}, nominal())
     # A short reduction over several stages sums in one accumulator too; a long one does not.
     short = _choose(x=(2, 16, 40, 70), w=(128, 16, 3, 3), math="ieee", family="wgmma", tiles={"block_k": 8})
     assert FAM.layout(short)["SPT"] > 1 and 16 * 9 <= FLUSH_K and not FAM.layout(short)["FLUSH"]
@@ -432,11 +419,11 @@ def test_a_register_split_only_ever_moves_registers_from_the_producer():
     spec = _choose(x=(2, 64, 40, 70), w=(80, 64, 3, 3), dtype="bfloat16", stride=(2, 1), family="wgmma")
     big = {**dict(spec.tiles), "ws": 1, "block_k": 64, "full_kh": 1, "tile_p": 1, "tile_q": 64, "nbuf": 3,
            "stage_out": 0}
-    assert dict(spec.tiles) != big  # the dispatcher moved on
+    assert dict(spec.tiles) != big  # the default moved on
     lay = FAM.layout(spec, big)
     assert (lay["PREGS"], lay["CREGS"]) == (0, 0) and lay["NTH"] * lay["REGS"] > 65536
     with pytest.raises(Unsupported, match="registers"):
-        FAM.check_tiles(spec, big)
+        FAM.check_tiles(spec, big, nominal())
 
 
 WG_TYPE = {"float32": "k8.f32.tf32.tf32", "bfloat16": "k16.f32.bf16.bf16", "float16": "k16.f32.f16.f16"}

@@ -60,7 +60,8 @@ def test_walk_lists_every_file_with_its_size_and_mtime():
 
 
 @pytest.mark.parametrize("edit", ["append to a template", "same-size rewrite of a template", "new template",
-                                  "remove a template", "append to a .py", "new .py in a subpackage"])
+                                  "remove a template", "append to a .py", "new .py in a subpackage",
+                                  "new measured table", "edit a measured table"])
 def test_identity_follows_code_and_templates(tmp_path, monkeypatch, identity, edit):
     package, templates = _tree(tmp_path, monkeypatch)
     before = identity()
@@ -79,10 +80,19 @@ def test_identity_follows_code_and_templates(tmp_path, monkeypatch, identity, ed
     elif edit == "remove a template":
         target.unlink()
     elif edit == "append to a .py":
-        with open(package / "dispatch.py", "a") as f:
+        with open(package / "select.py", "a") as f:
             f.write("# an edit\n")
     elif edit == "new .py in a subpackage":
         (package / "families" / "extra.py").write_text("X = 1\n")
+    elif edit == "new measured table":  # (the selector's data: its choice for a call can change)
+        (package / "tables").mkdir(exist_ok=True)
+        (package / "tables" / "nvidia-h100-80gb-hbm3.json").write_text('{"format": 1, "rows": []}\n')
+    elif edit == "edit a measured table":
+        (package / "tables").mkdir(exist_ok=True)
+        table = package / "tables" / "nvidia-h200.json"
+        table.write_text('{"format": 1, "rows": []}\n')
+        before = identity()
+        table.write_text('{"format": 1, "rows": [], "model": {}}\n')
     assert identity() != before
 
 
@@ -202,19 +212,20 @@ def test_template_dir_holds_the_templates():
     assert render.template_dir() == root
 
 
-def test_record_names_follow_the_target_and_its_dram_class(identity):
-    # the dispatcher's choice can differ between an H100 and an H200 (both sm_90a)
-    sig = [[16, 64, 1024, 1024], "torch.float32", "cuda"]
-    names = {plans.record_name(sig, "sm_90a"), plans.record_name(sig, "sm_90a", True),
-             plans.record_name(sig, "sm_80"), plans.record_name(sig[:2], "sm_90a")}
-    assert len(names) == 4
-    assert plans.record_name(sig, "sm_90a") == plans.record_name(list(sig), "sm_90a", False)
+SIG = [[16, 64, 1024, 1024], "torch.float32", "cuda"]
+H100, H200 = "nvidia-h100-80gb-hbm3", "nvidia-h200"
 
 
-def test_wide_dram_class_by_memory_size():
-    from kernelgen.arch import wide_dram
+def test_record_names_follow_the_target(identity):
+    names = {plans.record_name(SIG, "sm_90a", H100), plans.record_name(SIG, "sm_80", H100),
+             plans.record_name(SIG[:2], "sm_90a", H100)}
+    assert len(names) == 3
+    assert plans.record_name(SIG, "sm_90a", H100) == plans.record_name(list(SIG), "sm_90a", H100)
 
-    # as the driver reports them, MiB: H100 PCIe/SXM and H800 (80 GB) against H100 NVL (94 GB),
-    # GH200 and H20 (96 GB) and H200 (141 GB)
-    assert not wide_dram(81559 << 20)
-    assert wide_dram(95830 << 20) and wide_dram(97871 << 20) and wide_dram(143771 << 20)
+
+def test_record_names_follow_the_gpu_model(identity):
+    # the selector's choice, and a tuned one, can differ between an H100 and an H200 (both sm_90a)
+    from kernelgen.device import nominal
+
+    assert (nominal("sm_90a").key, nominal("sm_90a", wide_dram=True).key) == (H100, H200)
+    assert plans.record_name(SIG, "sm_90a", H100) != plans.record_name(SIG, "sm_90a", H200)

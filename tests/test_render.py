@@ -15,6 +15,7 @@ import pytest
 
 import kernelgen.render as render_mod
 from kernelgen.cache import cache_key, code_digest, lookup_key
+from kernelgen.device import nominal
 from kernelgen.errors import Unsupported
 from kernelgen.families import all_families
 from kernelgen.render import render, spec_banner_json
@@ -159,7 +160,7 @@ def _grid(family, n: int, seed: int = 0) -> list[ConvSpec]:
         problem = tiles = None
         for H, W in ((37, 45), (40, 48)):  # (the second for families that need planes of whole 16-byte chunks)
             P, Q = spec.output_size(H, W)
-            problem = Problem(N=2, H=H, W=W, P=P, Q=Q, arch="sm_90a")
+            problem = Problem(N=2, H=H, W=W, P=P, Q=Q, device=nominal("sm_90a"))
             try:
                 tiles = family.default_tiles(spec, problem)
                 break
