@@ -3,6 +3,7 @@
     import kernelgen
     y = kernelgen.conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1)
     m = kernelgen.Conv2d(64, 128, kernel_size=3, padding=1)
+    kernelgen.tune(x, w, padding=1)      # time the top candidates on this GPU; later calls use the fastest
 
 Kernels are rendered from Jinja2 templates, compiled with torch's load_inline, and
 cached on disk (KERNELGEN_CACHE_DIR, default ~/.cache/kernelgen).
@@ -15,7 +16,8 @@ from .kernels import stats
 # Imported on first access rather than here: a process whose calls are all served from
 # the cache needs none of these modules, and each one costs import time (issue 2).
 _LAZY = {"ConvSpec": "spec", "Conv2d": "nn", "KernelgenError": "errors", "ConvArgumentError": "errors",
-         "CompileError": "errors", "CacheError": "errors", "Unsupported": "errors"}
+         "CompileError": "errors", "CacheError": "errors", "Unsupported": "errors", "tune": "tuner",
+         "tune_calls": "tuner", "TuneResult": "tuner"}
 
 
 def __getattr__(name):
@@ -33,5 +35,5 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "stats", "KernelgenError", "ConvArgumentError",
-           "CompileError", "CacheError", "Unsupported"]
+__all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "stats", "tune", "tune_calls", "TuneResult",
+           "KernelgenError", "ConvArgumentError", "CompileError", "CacheError", "Unsupported"]

@@ -22,16 +22,3 @@ def arch_for_capability(major: int, minor: int) -> str:
     # Hopper's arch-specific instructions (wgmma, setmaxnreg) need the 'a' target;
     # sm_90a code runs on every compute-capability-9.0 part.
     return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-
-
-# Hopper parts with more memory than this (H100 NVL, H20, GH200, H200) carry 3.9-4.9 TB/s of
-# HBM; the 80 GB ones (H100 PCIe and SXM, H800) 2.0-3.35. torch reports neither the memory's
-# bus width nor its clock, so the size stands in for the bandwidth (dispatch.py, item 2, is
-# where the difference decides a family).
-WIDE_DRAM_BYTES = 90 << 30
-
-
-def wide_dram(total_memory: int) -> bool:
-    """Whether a GPU of `total_memory` bytes is of the wide-DRAM class: one whose bandwidth
-    outruns what `pointwise`'s mma.sync tiles issue on streaming 1x1 layers."""
-    return total_memory > WIDE_DRAM_BYTES

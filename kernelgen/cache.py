@@ -6,7 +6,7 @@ others may write it):
     entries/<key>/      a complete entry: sources, the built .so, manifest.json (written last),
                         verified.json (the .so's identity when its sha256 was last checked)
     index/<lookup>.json  spec + templates + toolchain -> key, so a hit needs no rendering
-    plans/<name>.json    call signature -> key (plans.py), so a warm call needs no dispatch
+    plans/<name>.json    call signature -> key (plans.py), so a warm call needs no selection
     staging/            where entries are built before being renamed into place whole
     locks/<key>.lock     one OS lock per key (released by the kernel if a builder dies)
     failed/<key>/        sources and log of the last failed build of a key

@@ -31,7 +31,7 @@ class Call:
     Q: int
     channels_last: bool  # the output's memory format, as F.conv2d chooses it
     # (sh, sw): the kernel computes the stride-1 layer of the view input[..., ::sh, ::sw], and H
-    # and W are the view's (dispatch.sampled_1x1); None: the kernel reads the input as it is
+    # and W are the view's (select.sampled_1x1); None: the kernel reads the input as it is
     sample: tuple[int, int] | None = None
 
 

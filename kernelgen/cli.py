@@ -199,13 +199,13 @@ def _example_specs(directory: Path, device: str, dtype: str | None, precision: s
     return found
 
 
-def _collect_specs(args, device: str) -> tuple[list[tuple[Any, str]], list[str]]:
-    """(spec, origin) of every call warm's sources name, planned for the current target, and the
-    bad records' messages."""
+def _collect_specs(args, device: str) -> tuple[list[tuple[Any, str, dict]], list[str]]:
+    """(spec, origin, record) of every call warm's sources name, planned for the current target, and
+    the bad records' messages."""
     from . import warm
 
     errors: list[str] = []
-    found: list[tuple[Any, str]] = []
+    found: list[tuple[Any, str, dict]] = []
     for path in args.specfiles:
         try:
             for origin, record in warm.read_records(path):
@@ -218,7 +218,7 @@ def _collect_specs(args, device: str) -> tuple[list[tuple[Any, str]], list[str]]
                     errors.append(str(exc))
                     continue
                 if spec is not None:
-                    found.append((spec, origin))
+                    found.append((spec, origin, record))
         except warm.RecordError as exc:
             errors.append(str(exc))
     if args.model:
@@ -228,10 +228,10 @@ def _collect_specs(args, device: str) -> tuple[list[tuple[Any, str]], list[str]]
             raise UsageError(f"--model {args.model}: {exc}") from None
         for f in _model_specs(factory, args.input_shape, device, args.dtype or "float32", args.precision,
                               args.model):
-            found.append((f.spec, f.where))
+            found.append((f.spec, f.where, f.record))
     if args.examples:
         for f in _example_specs(Path(args.examples), device, args.dtype, args.precision):
-            found.append((f.spec, f.where))
+            found.append((f.spec, f.where, f.record))
     return found, errors
 
 
@@ -241,9 +241,11 @@ def cmd_warm(args) -> int:
     from . import functional, warm
 
     archs = _archs(args.arch)
+    if args.tune and (archs or args.dry_run):
+        raise UsageError("--tune times the calls on this machine's GPU: it goes with neither --arch nor --dry-run")
     if args.wide_dram and not archs:
-        raise UsageError("--wide-dram goes with --arch: it plans for GPUs of that target's wide-DRAM class "
-                         "(without --arch, warm plans for the local GPU, whose class kernelgen reads itself)")
+        raise UsageError("--wide-dram goes with --arch: it plans for that target's larger-memory part (the H200 "
+                         "for sm_90a; without --arch, warm plans for the local GPU, which kernelgen reads itself)")
     if archs and not torch.version.cuda:
         raise UsageError(f"--arch needs a torch with CUDA support; this torch ({torch.__version__}) is a CPU-only "
                          f"build, so it cannot compile CUDA kernels. Install a CUDA build of torch, or warm "
@@ -256,14 +258,16 @@ def cmd_warm(args) -> int:
     if args.input_shape and not args.model:
         raise UsageError("--input-shape goes with --model")
 
-    # Each --arch target is planned for itself (the dispatcher's families differ by arch and DRAM
-    # class), and its specs are built with that arch's toolchain; without --arch, for the local GPU.
+    # Each --arch target is planned for itself (the families and the selector's data differ by GPU),
+    # and its specs are built with that arch's toolchain; without --arch, for the local GPU.
     errors: list[str] = []
     found: list[tuple[Any, str, str | None]] = []  # (spec, origin, arch)
+    calls: list[tuple[str, dict]] = []  # (origin, record), for --tune
     for arch in archs or [None]:
         with functional.planning_for(arch, args.wide_dram) if arch else contextlib.nullcontext():
             specs, errs = _collect_specs(args, device)
-        found += [(spec, origin, arch) for spec, origin in specs]
+        found += [(spec, origin, arch) for spec, origin, _ in specs]
+        calls += [(origin, record) for _, origin, record in specs]
         errors += [e for e in errs if e not in errors]  # a bad record is bad for every target
 
     toolchains: dict[tuple[str, str | None], Any] = {}
@@ -317,7 +321,42 @@ def cmd_warm(args) -> int:
               + (f"; {len(errors)} bad record(s) skipped" if errors else "") + f" (cache {cache.root})")
     if errors:
         return EXIT_USAGE
-    return EXIT_FAILED if counts["failed"] else EXIT_OK
+    if counts["failed"]:
+        return EXIT_FAILED
+    return _tune_calls(calls, device, args) if args.tune else EXIT_OK
+
+
+def _tune_calls(calls: list[tuple[str, dict]], device: str, args) -> int:
+    """`warm --tune`: each distinct call timed on this machine's GPU with random data of its sizes,
+    its candidates built in parallel, the fastest kept in its plan record (kernelgen.tune_calls)."""
+    import json as _json
+
+    import torch
+
+    from . import tuner, warm
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--tune times kernels on this machine's GPU, and none is visible")
+    unique = {}
+    for origin, record in calls:
+        unique.setdefault(_json.dumps(record, sort_keys=True), (origin, record))
+    start, tuned = time.perf_counter(), 0
+    batch = 16  # calls whose tensors are alive at once
+    items = list(unique.values())
+    for i in range(0, len(items), batch):
+        part = items[i:i + batch]
+        results = tuner.tune_calls([warm.record_tensors(r, device, seed=i + j) for j, (_, r) in enumerate(part)],
+                                   jobs=args.jobs)
+        for (origin, _), res in zip(part, results):
+            tuned += 1
+            if not args.json:
+                print(f"tuned {origin}: {res.spec.summary()} ({res.speedup:.2f}x the untuned choice)")
+    seconds = time.perf_counter() - start
+    if args.json:
+        _dump({"tuned": tuned, "seconds": round(seconds, 3)})
+    else:
+        print(f"kernelgen warm --tune: {tuned} call(s) in {seconds:.1f} s")
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------- cache
@@ -503,8 +542,8 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
     """(facts, problems that stop a compile here, notes)."""
     import torch
 
-    from .arch import wide_dram
     from .cache import Cache
+    from .device import of
     from .errors import CacheError
     from .toolchain import arch_for_capability, host_compiler_version, nvcc_version
 
@@ -517,11 +556,12 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
     if gpu:
         facts["gpus"] = []
         for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
+            props, dev = torch.cuda.get_device_properties(i), of(i)
             facts["gpus"].append({"index": i, "name": props.name, "capability": f"{props.major}.{props.minor}",
                                   "arch": arch_for_capability(props.major, props.minor),
-                                  "memory_gib": round(props.total_memory / 2**30, 1),
-                                  "wide_dram": wide_dram(props.total_memory)})
+                                  "memory_gib": round(props.total_memory / 2**30, 1), "sms": dev.sms,
+                                  "smem_block_kib": dev.smem_block // 1024, "l2_mib": dev.l2_bytes >> 20,
+                                  "dram_tb_s": round(dev.dram_bytes_s / 1e12, 2)})
     elif not torch.version.cuda:
         notes.append(f"torch {torch.__version__} is a CPU-only build: only the CPU path can be compiled "
                      f"(no CUDA kernels, no --arch)")
@@ -620,7 +660,8 @@ def cmd_doctor(args) -> int:
         print(f"torch          {facts['torch']} (CUDA {facts['torch_cuda'] or 'none: CPU-only build'})")
         for g in facts.get("gpus", []):
             print(f"GPU {g['index']}          {g['name']}, compute capability {g['capability']}, arch {g['arch']}, "
-                  f"{g['memory_gib']} GiB ({'wide' if g['wide_dram'] else 'standard'} DRAM class)")
+                  f"{g['memory_gib']} GiB, {g['sms']} SMs, {g['smem_block_kib']} KiB shared memory a block, "
+                  f"{g['l2_mib']} MiB L2, {g['dram_tb_s']} TB/s")
         if not facts.get("gpus"):
             print("GPU            none visible")
         print(f"host compiler  {host['path'] or host['name'] + ' (not found)'} {host['version'] or ''}".rstrip())
@@ -687,11 +728,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA targets, e.g. sm_80,sm_90a, planned and built instead of the local GPU's (needs "
                         "torch with CUDA)")
     w.add_argument("--wide-dram", action="store_true",
-                   help="with --arch: plan for GPUs of the wide-DRAM class (Hopper parts of more than 90 GiB, "
-                        "such as the H200; `kernelgen doctor` names a GPU's class)")
+                   help="with --arch: plan for the target's larger-memory part (for sm_90a the H200, whose DRAM "
+                        "moves 4.8 TB/s to the H100's 3.35; kernelgen.device.nominal)")
     w.add_argument("--jobs", "-j", type=_positive, default=None,
                    help="parallel builds (default: $KERNELGEN_JOBS or the number of cores)")
     w.add_argument("--dry-run", action="store_true", help="list the specialisations found; build nothing")
+    w.add_argument("--tune", action="store_true",
+                   help="then time each call's top candidates on this machine's GPU (random data of the call's "
+                        "sizes) and keep the fastest in its plan record, as kernelgen.tune does")
     w.set_defaults(func=cmd_warm)
 
     c = sub.add_parser("cache", help="list, inspect, prune, clear, export and import cache entries",
@@ -748,7 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--arch", metavar="ARCH", help="plan for this CUDA target, e.g. sm_90a (default: the local "
                                                    "GPU's; where none is visible, families that need one are "
                                                    "not chosen)")
-    r.add_argument("--wide-dram", action="store_true", help="with --arch: plan for a GPU of the wide-DRAM class")
+    r.add_argument("--wide-dram", action="store_true", help="with --arch: plan for the target's larger-memory part (the H200 for sm_90a)")
     r.add_argument("--unit", choices=("cuda", "cpp", "all"),
                    help="which translation unit (default: cuda for a cuda spec, cpp for cpu)")
     r.set_defaults(func=cmd_render)

@@ -5,7 +5,9 @@
 | --- | --- | --- |
 | KERNELGEN_CACHE_DIR | ~/.cache/kernelgen (or $XDG_CACHE_HOME/kernelgen) | where built kernels live |
 | KERNELGEN_LOCK_TIMEOUT | 600 | seconds to wait for another process building the same kernel |
-| KERNELGEN_JOBS | number of CPU cores | parallel builds (CLI `warm`, test warm-up) |
+| KERNELGEN_JOBS | number of CPU cores | parallel builds (CLI `warm`, test warm-up, the tuner) |
+| KERNELGEN_TUNE | 0 | 1: the first call of each signature (without a plan record) times the top candidates on the GPU and keeps the fastest (kernelgen.tune) |
+| KERNELGEN_TUNE_TOP | 4 | how many candidates the tuner builds and times a call |
 | CXX | c++ | the host C++ compiler (torch's builder honours it too) |
 | CUDA_HOME, CUDA_PATH | the nvcc on PATH, then /usr/local/cuda | the CUDA toolkit (looked up in torch's order, since torch's builder compiles) |
 
@@ -47,6 +49,21 @@ def jobs() -> int:
     if text is None:
         return os.cpu_count() or 1
     return int(_positive("KERNELGEN_JOBS", text, int))
+
+
+def tune() -> bool:
+    """KERNELGEN_TUNE: whether an untuned call is tuned on its first use."""
+    text = os.environ.get("KERNELGEN_TUNE", "0").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"KERNELGEN_TUNE={text!r}: say 1 (tune each call on first use) or 0")
+
+
+def tune_top() -> int:
+    """KERNELGEN_TUNE_TOP: candidates the tuner times a call."""
+    return int(_positive("KERNELGEN_TUNE_TOP", os.environ.get("KERNELGEN_TUNE_TOP", "4"), int))
 
 
 def cuda_home(nvcc: str | None = None) -> Path | None:

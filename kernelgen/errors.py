@@ -15,7 +15,7 @@ class ConvArgumentError(KernelgenError, ValueError, RuntimeError):
 
 
 class Unsupported(KernelgenError):
-    """A kernel family cannot serve a spec; the dispatcher moves on to the next one."""
+    """A kernel family cannot serve a spec; the selector leaves it out of the call's candidates."""
 
 
 class CompileError(KernelgenError, RuntimeError):

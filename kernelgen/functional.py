@@ -1,10 +1,12 @@
 """`kernelgen.conv2d`: F.conv2d's semantics, computed by kernelgen's own kernels.
 
 The first call with a given signature (shapes, strides, dtype, device, parameters,
-precision) validates it, chooses a kernel (dispatch.py) and loads or compiles it
+precision) validates it, chooses a kernel (select.py) and loads or compiles it
 (kernels.py); the resulting plan is memoised, so later calls only allocate the output
 and launch. The outcome is also recorded on disk (plans.py), so the first such call in
-a later process skips validation and dispatch and imports its kernel directly.
+a later process skips validation and selection and imports its kernel directly. A choice
+measured on this GPU (kernelgen.tune, or KERNELGEN_TUNE=1) is kept in that record and
+served before the selector is asked.
 """
 
 from __future__ import annotations
@@ -12,18 +14,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import numbers
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from . import compiled, plans
+from . import compiled, config, plans
 from .kernels import count, load_entry, load_kernel, workspace_bytes
 from .precision import check_override, torch_fp32_conv_math
 
 if TYPE_CHECKING:
     from .checks import Call
+    from .device import Device
     from .spec import ConvSpec
 
 log = logging.getLogger("kernelgen")
@@ -60,19 +64,21 @@ class Plan:
 
 
 _plans: dict[Any, Plan] = {}
-_target_by_device: dict[int, tuple[str, bool]] = {}
-_planning_targets: list[tuple[str, bool]] = []
+_planning_targets: list["Device"] = []
 _meta_observers: list[Callable[..., None]] = []
 _compiling = torch.compiler.is_compiling
 
 
 @contextlib.contextmanager
-def planning_for(arch: str, wide_dram: bool = False) -> Iterator[None]:
+def planning_for(gpu: "str | Device", wide_dram: bool = False) -> Iterator[None]:
     """While active, CUDA plans made away from a GPU (spec_for on meta or CPU tensors, as
-    `kernelgen warm` makes them) are for the target `arch` of that DRAM class
-    (kernelgen.arch.wide_dram) rather than the current GPU's: the specs are then the ones a
-    GPU of that target will ask for. Calls on CUDA tensors keep their own GPU's target."""
-    _planning_targets.append((arch, bool(wide_dram)))
+    `kernelgen warm` makes them) are for `gpu`, a kernelgen.device.Device or a target's name
+    ('sm_90a'; with `wide_dram`, its larger-memory part: kernelgen.device.nominal), rather than
+    the current GPU: the specs are then the ones such a GPU will ask for. Calls on CUDA tensors
+    keep their own GPU."""
+    from .device import nominal
+
+    _planning_targets.append(nominal(gpu, wide_dram) if isinstance(gpu, str) else gpu)
     try:
         yield
     finally:
@@ -118,20 +124,12 @@ def _autocast(device_type: str, *tensors):
                  and t.dtype is not torch.float64 else t for t in tensors)
 
 
-def _cuda_target(index: int) -> tuple[str, bool]:
-    """(arch, wide_dram) of a GPU, read once per process: what dispatch and plan records key on."""
-    target = _target_by_device.get(index)
-    if target is None:
-        from .arch import arch_for_capability, wide_dram
+def _gpu(index: int) -> "Device":
+    """The GPU `index` (kernelgen.device.of, read once per process): what selection and plan
+    records key on."""
+    from .device import of
 
-        props = torch.cuda.get_device_properties(index)
-        target = _target_by_device[index] = (arch_for_capability(props.major, props.minor),
-                                             wide_dram(props.total_memory))
-    return target
-
-
-def _cuda_arch(index: int) -> str:
-    return _cuda_target(index)[0]
+    return of(index)
 
 
 def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
@@ -167,22 +165,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
             observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
-    try:
-        dtype = input.dtype
-        if dtype is torch.float32:
-            math = precision if precision is not None else torch_fp32_conv_math()
-        else:
-            math = None
-        sig = (input.shape, input.stride(), dtype, input.device, weight.shape, weight.stride(), weight.dtype,
-               weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
-               stride if stride.__class__ is int else _key(stride),
-               padding if padding.__class__ is int else _key(padding),
-               dilation if dilation.__class__ is int else _key(dilation),
-               groups if groups.__class__ is int else _key(groups), math, family,
-               None if tiles is None else _key(tiles))
-        plan = _plans.get(sig)
-    except (AttributeError, TypeError):  # not tensors, or unhashable parameters: the full path explains
-        sig, plan = None, None
+    sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+    plan = None if sig is None else _plans.get(sig)
     if plan is None:
         plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
         if sig is not None:
@@ -193,16 +177,50 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return _run(plan, input, weight, bias)
 
 
+def signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles) -> tuple | None:
+    """What a plan is memoised under: the tensors' shapes, strides, dtypes and devices, the
+    parameters and the float32 math the call resolves to. None where the arguments are not
+    tensors or not plain values (the full path explains what is wrong)."""
+    try:
+        dtype = input.dtype
+        if dtype is torch.float32:
+            math = precision if precision is not None else torch_fp32_conv_math()
+        else:
+            math = None
+        return (input.shape, input.stride(), dtype, input.device, weight.shape, weight.stride(), weight.dtype,
+                weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+                stride if stride.__class__ is int else _key(stride),
+                padding if padding.__class__ is int else _key(padding),
+                dilation if dilation.__class__ is int else _key(dilation),
+                groups if groups.__class__ is int else _key(groups), math, family,
+                None if tiles is None else _key(tiles))
+    except (AttributeError, TypeError):
+        return None
+
+
 def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, device: str | None = None,
              precision: str | None = None, family: str | None = None,
              tiles: Mapping[str, int] | None = None) -> tuple["ConvSpec | None", "Call"]:
-    """(spec, call): the kernel `conv2d` would compile for these arguments, and the call's sizes.
+    """(spec, call): the kernel `conv2d` would compile for these arguments (untuned: the
+    selector's first choice), and the call's sizes.
 
     The tensors may live on 'meta' (shapes and strides are all that is read); `device`
     ('cuda' or 'cpu') says which device to plan for, default the tensors'. The spec is
     None when there is nothing to compute (an empty batch).
     """
-    from . import checks, dispatch
+    specs, call = candidates_for(input, weight, bias, stride, padding, dilation, groups, device=device,
+                                 precision=precision, family=family, tiles=tiles)
+    return (specs[0] if specs else None), call
+
+
+def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
+                   device: str | None = None, precision: str | None = None, family: str | None = None,
+                   tiles: Mapping[str, int] | None = None, every: bool = False) -> tuple[list["ConvSpec"], "Call"]:
+    """(specs, call): what the families can run for these arguments, the selector's ranking of
+    their first choices first, then (with `every`) each family's other configurations in the
+    same order of families; and the call's sizes. Empty where there is nothing to compute.
+    Raises what conv2d raises for bad arguments; ConvArgumentError where no family serves it."""
+    from . import checks, select
     from .precision import fp32_math
     from .spec import ConvSpec, Problem
 
@@ -214,33 +232,32 @@ def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1
     device = device or input.device.type
     call = checks.check_call(input, weight, probe, device)
     if call.N == 0 or device == "meta":
-        return None, call
-    sample = dispatch.sampled_1x1(probe, device, call.channels_last) if family is None else None
+        return [], call
+    sample = select.sampled_1x1(probe, device, call.channels_last) if family is None else None
     if sample is not None:  # the stride-1 layer of the pixels the strided one reads (a view, no copy)
         view = input[..., ::sample[0], ::sample[1]]
-        spec, vcall = spec_for(view, weight, bias, 1, 0, dilation, groups, device=device, precision=precision,
-                               tiles=tiles)
+        specs, vcall = candidates_for(view, weight, bias, 1, 0, dilation, groups, device=device,
+                                      precision=precision, tiles=tiles, every=every)
         if vcall.channels_last == call.channels_last:  # (a degenerate view could look channels_last)
-            return spec, dataclasses.replace(vcall, sample=sample)
+            return specs, dataclasses.replace(vcall, sample=sample)
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
-    arch, wide = _target(input, device)
-    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, arch=arch, wide_dram=wide)
-    return dispatch.choose(params, device, problem, call.channels_last, math, family=family, tiles=tiles), call
+    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, device=_target(input, device))
+    return select.ranked(params, device, problem, call.channels_last, math, family=family, tiles=tiles,
+                         every=every), call
 
 
-def _target(input: torch.Tensor, device: str) -> tuple[str, bool]:
-    """The CUDA target a plan is for, (arch, wide_dram): the input's GPU, else (meta planning,
-    e.g. `kernelgen warm`) the innermost `planning_for` target or the current GPU's; ('', False)
-    on CPU or when neither is known."""
+def _target(input: torch.Tensor, device: str) -> "Device | None":
+    """The GPU a plan is for: the input's, else (meta planning, e.g. `kernelgen warm`) the
+    innermost `planning_for` GPU or the current one; None on CPU or when neither is known."""
     if device != "cuda":
-        return "", False
+        return None
     if input.is_cuda:
-        return _cuda_target(input.device.index)
+        return _gpu(input.device.index)
     if _planning_targets:
         return _planning_targets[-1]
     if torch.cuda.is_available():
-        return _cuda_target(torch.cuda.current_device())
-    return "", False
+        return _gpu(torch.cuda.current_device())
+    return None
 
 
 def _signature_json(sig: tuple, arch: str) -> list:
@@ -254,12 +271,21 @@ def _signature_json(sig: tuple, arch: str) -> list:
     return [js(v) for v in sig]
 
 
+def _record_name(sig: tuple, input: torch.Tensor) -> str:
+    """The plan record of a call signature on the input's device (plans.py): keyed by the GPU's
+    model and target, so a choice measured on one GPU is not served on another."""
+    if input.is_cuda:
+        gpu = _gpu(input.device.index)
+        return plans.record_name(_signature_json(sig, gpu.arch), gpu.arch, gpu.key)
+    return plans.record_name(_signature_json(sig, "cpu"), "cpu", "cpu")
+
+
 def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig) -> Plan:
     device = input.device.type if isinstance(input, torch.Tensor) else None
-    record_name = None
+    record_name, record = None, None
     if sig is not None and device in ("cuda", "cpu") and input.numel() > 0:
-        arch, wide = _cuda_target(input.device.index) if device == "cuda" else ("cpu", False)
-        record_name = plans.record_name(_signature_json(sig, arch), arch, wide)
+        arch = _gpu(input.device.index).arch if device == "cuda" else "cpu"
+        record_name = _record_name(sig, input)
         cache = _default_cache()
         record = plans.read(cache.root, record_name)
         if record is not None:
@@ -268,15 +294,56 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
                 if launch is not None:
                     return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias)
             except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
-                pass
+                record = None
     spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                           family=family, tiles=tiles)
     if spec is None:
         return _plan(None, None, _call_fields(call), "any", input, weight, bias)
+    tuned = _tuned_spec(record, spec, input) if family is None and tiles is None else None
+    if tuned is not None:  # measured on this GPU before, its kernel since pruned: build it again
+        spec = tuned
+    elif (record_name is not None and family is None and tiles is None and config.tune()
+          and not (device == "cuda" and torch.cuda.is_current_stream_capturing())):
+        from .tuner import tune  # KERNELGEN_TUNE: measure the candidates now; tune writes the record
+
+        tune(input, weight, bias, stride, padding, dilation, groups, precision=precision)
+        record = plans.read(_default_cache().root, record_name)
+        tuned = _tuned_spec(record, spec, input)
+        spec = tuned or spec
+    return _build_plan(spec, call, input, weight, bias, stride, padding, dilation, groups, precision, family,
+                       record_name, record if tuned is not None else None)
+
+
+def _tuned_spec(record: dict | None, untuned: "ConvSpec", input: torch.Tensor) -> "ConvSpec | None":
+    """The spec a plan record says was measured fastest for this call, where it still describes
+    the same convolution as the selector's and its family can run it here; else None."""
+    if not record or not isinstance(record.get("tuned"), dict):
+        return None
+    from .errors import KernelgenError, Unsupported
+    from .families import get_family
+    from .spec import ConvSpec
+
+    try:
+        spec = ConvSpec.from_dict(json.loads(record["tuned"]["spec"]))
+        same = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "dtype",
+                "bias", "device")
+        if any(getattr(spec, f) != getattr(untuned, f) for f in same):
+            return None
+        get_family(spec.family).check(spec, _gpu(input.device.index) if input.is_cuda else None)
+        return spec
+    except (KernelgenError, Unsupported, KeyError, TypeError, ValueError):
+        return None
+
+
+def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, groups, precision, family,
+                record_name, tuned_record) -> Plan:
+    """Load or build `spec`'s kernel, record the plan (keeping a tuned record's measurements) and
+    return it."""
     from .errors import CompileError
     from .toolchain import current
 
-    toolchain = current("cpu") if device == "cpu" else current("cuda", _cuda_arch(input.device.index))
+    device = input.device.type
+    toolchain = current("cpu") if device == "cpu" else current("cuda", _gpu(input.device.index).arch)
     fell_back = False
     try:
         launch, key = load_kernel(spec, toolchain)
@@ -297,8 +364,10 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
     call_fields = _call_fields(call)
     # No record after a fallback: each process should try (and report) the fast family again.
     if record_name is not None and cache.writable and not fell_back:
-        plans.write(cache.root, record_name,
-                    {"key": key, "call": call_fields, "prep": prep, "summary": spec.summary()})
+        record = {"key": key, "call": call_fields, "prep": prep, "summary": spec.summary()}
+        if tuned_record is not None:
+            record["tuned"] = tuned_record["tuned"]
+        plans.write(cache.root, record_name, record)
     return _plan(launch, key, call_fields, prep, input, weight, bias)
 
 
@@ -401,8 +470,11 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
                 workspace_bytes(key, input.numel(), N * K * P * Q), sample)
 
 
-def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt)
+def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch `plan` on the call's tensors; into `out` (of the plan's shape and format) where given."""
+    y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt) \
+        if out is None else out
     if plan.launch is not None:
         if plan.sample is not None:
             input = input[..., ::plan.sample[0], ::plan.sample[1]]

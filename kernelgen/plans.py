@@ -1,15 +1,17 @@
 """Records of which cached kernel serves a call signature, so a warm process skips the work.
 
 The first call with a signature (shapes, strides, dtypes, device, parameters,
-precision) is validated (checks.py), dispatched (dispatch.py) and its kernel loaded or
-built (cache.py). The outcome, the entry's key and the call's sizes, is recorded under
+precision) is validated (checks.py), its kernel chosen (select.py) and loaded or built
+(cache.py). The outcome, the entry's key and the call's sizes, is recorded under
 `<cache>/plans/`. A later process making the same call reads the record and imports
 the entry directly: the signature was valid when recorded, so there is nothing to
-re-validate, and no spec, dispatch or rendering is needed.
+re-validate, and no spec, selection or rendering is needed. A record of a tuned call
+(kernelgen.tune) also keeps the measured spec and the candidates' times under "tuned", so
+the same choice is rebuilt where its entry has gone.
 
 A record's name hashes the signature together with everything that could change the
 answer: kernelgen's own sources and templates (by size and mtime), the Python, torch
-and CUDA versions, the GPU architecture and DRAM class, and the identity of the compilers on PATH. Any
+and CUDA versions, the GPU's target and model, and the identity of the compilers on PATH. Any
 change there is a different name, hence a miss and the full path. The entry a record
 names is still verified (manifest and .so checksum) before it is imported.
 """
@@ -84,7 +86,8 @@ def _tool(name: str) -> list | None:
 
 @functools.lru_cache(maxsize=None)
 def identity() -> str:
-    """sha256 of what a record depends on besides the call: code, templates, versions, compilers.
+    """sha256 of what a record depends on besides the call: code, templates, the selector's measured
+    tables, versions, compilers.
 
     The compilers are the host compiler and nvcc that PATH finds, the CUDA toolkit torch's
     builder would use, and the nvcc inside it (the one kernelgen builds with, which is not
@@ -97,15 +100,16 @@ def identity() -> str:
     home = config.cuda_home(nvcc[0] if nvcc else None)
     home_nvcc = _tool(os.path.join(home, "bin", "nvcc")) if home else None
     ident = [FORMAT, __version__, sys.implementation.cache_tag, torch.__version__, torch.version.cuda,
-             _walk(package, ".py"), _walk(str(config.template_dir()), ".j2"), [cxx, nvcc, home_nvcc],
+             _walk(package, ".py"), _walk(str(config.template_dir()), ".j2"), _walk(package, ".json"),
+             [cxx, nvcc, home_nvcc],
              str(home) if home else None]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()
 
 
-def record_name(signature: list, arch: str, wide_dram: bool = False) -> str:
-    """The record's name for a call signature (JSON-able) on a target `arch`, of the wide-DRAM
-    class or not (kernelgen.arch.wide_dram: the dispatcher's choice can differ between the two)."""
-    text = json.dumps([identity(), arch, wide_dram, signature], separators=(",", ":"))
+def record_name(signature: list, arch: str, gpu: str) -> str:
+    """The record's name for a call signature (JSON-able) on a target `arch` and GPU model `gpu`
+    (kernelgen.device.Device.key): the selector's choice, and a measured one, differ between GPUs."""
+    text = json.dumps([identity(), arch, gpu, signature], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -25,6 +25,7 @@ DEVICES = ("cuda", "cpu")
 LAYOUTS = ("any", "nchw", "nhwc")
 MATHS = ("ieee", "tf32")
 
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SCALAR_T = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "float64": "double"}
 ACC_T = {"float32": "float", "float16": "float", "bfloat16": "float", "float64": "double"}
 
@@ -100,17 +101,20 @@ def resolve_padding(padding: Any, kernel: tuple[int, int], stride: tuple[int, in
 
 @dataclass(frozen=True)
 class Problem:
-    """Runtime sizes of one call: batch, input height/width, output height/width, the target
-    the kernel will run on ('sm_90a', ...; '' when unknown or not CUDA), and whether that GPU is
-    of the wide-DRAM class (kernelgen.arch.wide_dram; False when unknown)."""
+    """Runtime sizes of one call: batch, input height/width, output height/width, and the GPU the
+    kernel will run on (kernelgen.device.Device; None on the CPU or where no GPU is known)."""
 
     N: int
     H: int
     W: int
     P: int
     Q: int
-    arch: str = ""
-    wide_dram: bool = False
+    device: Any = None
+
+    @property
+    def arch(self) -> str:
+        """The CUDA target the kernel is for ('sm_90a', ...), '' where none is known."""
+        return self.device.arch if self.device is not None else ""
 
 
 @dataclass(frozen=True)
@@ -279,7 +283,7 @@ def _canonical_tiles(family: str, space: Mapping[str, tuple[int, ...]], tiles: A
                                 f"its tile parameters are {sorted(space)}")
     out = []
     for name in sorted(space):
-        # An unnamed tile parameter takes its first allowed value (the dispatcher always names all).
+        # An unnamed tile parameter takes its first allowed value (the selector always names all).
         value = _int(f"tiles[{name!r}]", items.get(name, space[name][0]))
         if value not in space[name]:
             raise ConvArgumentError(f"tiles[{name!r}]={value} is not allowed for family {family!r}; "

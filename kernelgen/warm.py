@@ -13,7 +13,7 @@ conv2d follows it), memory_format ("contiguous" or "channels_last"), family and 
 (force a kernel family and some of its tile sizes, as conv2d's keywords do).
 
 A record becomes a spec through `functional.spec_for` on meta tensors, so the spec is
-exactly what `kernelgen.conv2d` would compile for that call, dispatcher's choice of
+exactly what `kernelgen.conv2d` would compile for that call, the selector's choice of
 family and tiles included. No tensor is allocated and no device is needed.
 
 `find_model_calls` finds the records of a whole model by running its forward on meta
@@ -298,10 +298,44 @@ def _import_path(path: Path):
 
 @dataclass
 class Found:
-    """A convolution found in a model's forward, and the spec kernelgen would compile for it."""
+    """A convolution found in a model's forward, the spec kernelgen would compile for it, and the
+    call as a record (what `kernelgen warm --tune` times it with)."""
 
     spec: ConvSpec
     where: str
+    record: dict = field(default_factory=dict)
+
+
+def call_record(x, w, b, stride, padding, dilation, groups, precision, device: str) -> dict:
+    """A record (this module's docstring) of the call these (meta) tensors and arguments make."""
+    from .checks import is_channels_last
+
+    plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
+    rec = {"input": list(x.shape), "weight": list(w.shape), "bias": b is not None, "stride": plain(stride),
+           "padding": plain(padding), "dilation": plain(dilation), "groups": int(groups),
+           "dtype": canonical_dtype(x.dtype), "device": device,
+           "memory_format": "channels_last" if is_channels_last(x) else "contiguous"}
+    if precision is not None:
+        rec["precision"] = precision
+    return rec
+
+
+def record_tensors(record: Mapping[str, Any], device: str, seed: int = 0) -> dict:
+    """kernelgen.conv2d's arguments for a (valid) record, with random tensors on `device`: what the
+    tuner times a call with (kernelgen.tune_calls)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, canonical_dtype(record.get("dtype", "float32")))
+    x = torch.randn(*record["input"], generator=g).to(device=device, dtype=dtype)
+    if record.get("memory_format") == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(*record["weight"], generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(record["weight"][0], generator=g).to(device=device, dtype=dtype) if record.get("bias") else None
+    pair = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
+    return {"input": x, "weight": w, "bias": b, "stride": pair(record.get("stride", 1)),
+            "padding": pair(record.get("padding", 0)), "dilation": pair(record.get("dilation", 1)),
+            "groups": record.get("groups", 1), "precision": record.get("precision")}
 
 
 def find_model_calls(model, input_shapes: Sequence[Sequence[int]], device: str, dtype: Any = "float32",
@@ -329,7 +363,8 @@ def find_model_calls(model, input_shapes: Sequence[Sequence[int]], device: str, 
     def record(x, w, b, stride, padding, dilation, groups, prec, where):
         spec, _ = spec_for(x, w, b, stride, padding, dilation, groups, device=device, precision=prec)
         if spec is not None:
-            found.append(Found(spec=spec, where=f"{origin}: {where}"))
+            found.append(Found(spec=spec, where=f"{origin}: {where}",
+                               record=call_record(x, w, b, stride, padding, dilation, groups, prec, device)))
 
     def on_kernelgen_call(x, w, b, stride, padding, dilation, groups, prec, family, tiles):
         record(x, w, b, stride, padding, dilation, groups, prec if prec is not None else precision,
@@ -509,5 +544,5 @@ def warm_specs(specs: Iterable[ConvSpec], toolchains: Toolchain | Sequence[Toolc
     return build_items(items, jobs=jobs, cache=cache, on_result=on_result)
 
 
-__all__ = ["Found", "Item", "RecordError", "Result", "build_items", "find_model_calls", "load_callable",
-           "local_toolchains", "parse_record", "read_records", "warm_specs"]
+__all__ = ["Found", "Item", "RecordError", "Result", "build_items", "call_record", "find_model_calls",
+           "load_callable", "local_toolchains", "parse_record", "read_records", "record_tensors", "warm_specs"]

@@ -1,9 +1,10 @@
 """What a kernel family is: a template plus the rules for when it can serve a spec.
 
-A family never decides *whether* it is the best choice (that is `dispatch.py`'s job);
-it only says whether it *can* serve a spec (`check`, which raises `Unsupported`),
-which tile parameters it takes and their allowed values, and sensible tiles for a
-problem shape.
+A family never decides *whether* it is the best choice (that is `select.py`'s job, from
+measurements); it only says what it *can* run: whether it can serve a spec on a GPU (`check`,
+which raises `Unsupported`, every launch precondition decided there), which tile parameters it
+takes and their allowed values, its own first choice of tiles for a problem (`default_tiles`) and
+every configuration it can compile and launch for one (`candidates`).
 """
 
 from __future__ import annotations
@@ -11,16 +12,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
+from ..device import TARGETS
 from ..errors import Unsupported
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 
-# Shared memory of the card the tile rules size for (the H100): what one block may opt into
-# (dynamic and static together), and an SM's whole (each resident block also reserves 1 KB).
-SMEM_LIMIT = 227 * 1024
-SM_SMEM = 228 * 1024
+# Each resident block reserves this much of its SM's shared memory beside what it asks for.
+BLOCK_RESERVED_SMEM = 1024
+
+
+def target(device: "Device | None") -> "Device":
+    """The GPU a check or a tile rule sizes for: `device`, or where none is named (CPU-tier tests,
+    specs checked apart from a call) a nominal H100."""
+    from ..device import nominal
+
+    return device if device is not None else nominal("sm_90a")
+
+
+def fits_sm(device: "Device", blocks: int, smem: int, threads: int = 0, regs: int = 0) -> bool:
+    """Whether `blocks` blocks of `smem` bytes of shared memory (and `threads` threads of `regs`
+    registers) fit one SM of `device` at once."""
+    return (blocks * (smem + BLOCK_RESERVED_SMEM) <= device.smem_sm
+            and blocks * threads * regs <= device.regs_sm)
 
 
 def element_size(spec: "ConvSpec") -> int:
@@ -93,6 +109,12 @@ class Family:
         32 bits and refuse weights of 2^31 elements or more.
     aligned_input: whether it needs its (dense) input to start on a 16-byte boundary, as the
         TMA does: a call whose input view starts between two is handed a copy that does not.
+    archs: the CUDA targets it compiles and runs on.
+    engine: what it computes on, for the cost model: 'wgmma', 'mma' (mma.sync), 'fma' (float32
+        FMAs of a tuned stencil) or 'direct' (the general loops).
+    nchw_copy: whether an NCHW call's input is first transposed into its workspace (one more pass).
+    row_tile: output columns of one row a tile covers, for families that tile each image's rows
+        (a narrower row leaves the rest of the tile idle); 0 for those that tile pixels over the batch.
     """
 
     name: str
@@ -104,9 +126,14 @@ class Family:
     tf32: bool = False
     wide_weights: bool = False
     aligned_input: bool = False
+    archs: tuple[str, ...] = TARGETS
+    engine: str = "direct"
+    nchw_copy: bool = False
+    row_tile: int = 0
 
-    def check(self, spec: "ConvSpec") -> None:
-        """Raise Unsupported(reason) if this family cannot compute `spec` correctly."""
+    def check(self, spec: "ConvSpec", device: "Device | None" = None) -> None:
+        """Raise Unsupported(reason) if this family cannot compute `spec` correctly on `device`
+        (None: a nominal H100), launch preconditions included."""
         if spec.device != self.device:
             raise Unsupported(f"{self.name} runs on {self.device}, not {spec.device}")
         if spec.dtype not in self.dtypes:
@@ -116,20 +143,104 @@ class Family:
         kh, kw = spec.kernel_size
         if not self.wide_weights and spec.out_channels * spec.cin_per_group * kh * kw >= 1 << 31:
             raise Unsupported(f"{self.name} indexes weights in 32 bits; this weight has 2^31 elements or more")
-        self.check_shape(spec)
+        device = target(device)
+        self.check_arch(device)
+        self.check_shape(spec, device)
 
-    def check_shape(self, spec: "ConvSpec") -> None:
-        """Family-specific conditions (kernel size, groups, ...). Default: none."""
+    def check_arch(self, device: "Device") -> None:
+        """Raise Unsupported unless this family runs on `device`'s target."""
+        if self.device == "cuda" and device.arch not in self.archs:
+            raise Unsupported(f"{self.name} runs on {', '.join(self.archs)} (target {device.arch})")
+
+    def check_target(self, device: "Device | None") -> None:
+        """check_arch where the GPU is known; where it is not (planning with no GPU and no target
+        named), a family that runs on some targets only is refused, since the GPU may be another."""
+        if device is not None:
+            self.check_arch(device)
+        elif self.device == "cuda" and set(self.archs) != set(TARGETS):
+            raise Unsupported(f"{self.name} runs on {', '.join(self.archs)} only, and the target is unknown "
+                              "(name it: kernelgen warm/render --arch)")
+
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
+        """Family-specific conditions (kernel size, groups, tiles against `device`). Default: none."""
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
-        """Tile sizes for a problem shape; the default is each parameter's first value.
+        """The family's own first choice of tiles for a problem; the default is each parameter's
+        first value.
 
         `fixed`: tiles the caller forces; a family whose candidates interact (shared memory,
-        registers) picks the others around them. The dispatcher applies them afterwards either way.
+        registers) picks the others around them. The caller applies them afterwards either way.
         """
         return {name: values[0] for name, values in self.tiles.items()}
+
+    def candidates(self, spec: "ConvSpec", problem: "Problem",
+                   fixed: "Mapping[str, int] | None" = None) -> list["ConvSpec"]:
+        """Every configuration of this family that can compile and launch for `spec` (its family,
+        math and layout set) on `problem`'s GPU, each a checked spec: its own first choice first,
+        then the tiles it picks around each other allowed value of each tile parameter, in the
+        order of its tile space. `fixed` tiles hold in all of them. Empty where it cannot run."""
+        from ..errors import ConvArgumentError
+
+        device = target(problem.device)
+        fixed = dict(fixed or {})
+        forcings = [{}] + [{name: v} for name, values in self.tiles.items() if name not in fixed for v in values]
+        out, seen = [], set()
+        for force in forcings:
+            pinned = {**force, **fixed}
+            try:
+                self.check_target(problem.device)
+                tiles = {**self.default_tiles(spec, problem, fixed=pinned), **pinned}
+                cand = spec.replace(family=self.name, tiles=tuple(tiles.items()))
+                self.check(cand, device)
+            except (Unsupported, ConvArgumentError):
+                continue
+            if cand.tiles not in seen:
+                seen.add(cand.tiles)
+                out.append(cand)
+        return out
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         """Extra derived compile-time constants for the template (UPPERCASE keys)."""
         return {}
+
+    # -- what the cost model needs to know of a configuration (costmodel.py) ------------------
+    def unit(self, spec: "ConvSpec") -> str:
+        """'tensor' where the configuration multiplies on tensor cores, else 'fma'."""
+        return "tensor" if self.cost_class(spec) in ("wgmma", "mma") else "fma"
+
+    def cost_class(self, spec: "ConvSpec") -> str:
+        """The engine of this configuration (a key of costmodel.PRIORS)."""
+        return self.engine
+
+    def traffic(self, spec: "ConvSpec", problem: "Problem") -> float:
+        """Bytes the configuration moves through DRAM: input, weights and output once, and the
+        input twice more where an NCHW input is transposed into the workspace first."""
+        from ..spec import ELEMENT_BYTES
+
+        kh, kw = spec.kernel_size
+        x = problem.N * spec.in_channels * problem.H * problem.W
+        w = spec.out_channels * spec.cin_per_group * kh * kw
+        y = problem.N * spec.out_channels * problem.P * problem.Q
+        copy = 2 * x if self.nchw_copy and spec.layout == "nchw" else 0
+        return float(x + w + y + copy) * ELEMENT_BYTES[spec.dtype]
+
+    def work(self, spec: "ConvSpec", problem: "Problem") -> float:
+        """Flops the configuration computes, padding included: tensor cores take whole k-steps of
+        input channels a group (8 float32, 16 16-bit) and whole MMA rows of output channels a group
+        (64 for wgmma, 16 for mma.sync), and a tile of `row_tile` columns runs whole."""
+        kh, kw = spec.kernel_size
+        cin, cout, q = spec.cin_per_group, spec.cout_per_group, problem.Q
+        if self.unit(spec) == "tensor":
+            step = 8 if spec.dtype == "float32" else 16
+            cin = -(-cin // step) * step
+            rows = 64 if self.cost_class(spec) == "wgmma" else 16
+            cout = -(-cout // rows) * rows
+        if self.row_tile:
+            q = -(-q // self.row_tile) * self.row_tile
+        return 2.0 * problem.N * problem.P * q * spec.groups * cout * cin * kh * kw
+
+    def tiles_of(self, spec: "ConvSpec", problem: "Problem") -> int:
+        """Blocks of work the configuration launches, roughly: output tiles of 128 pixels x 128
+        channels."""
+        return -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // 128)

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConvArgumentError, Unsupported
-from .base import Family
+from .base import Family, target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -30,17 +31,15 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # Kernel taps are held in registers by every thread (and the row loop unrolls over them):
 # beyond 9x9 the register file spills, so bigger depthwise kernels go to the general family.
 MAX_TAPS = 81
-# Shared memory per block: what sm_86/sm_89 can opt into (99 KiB) less a little slack, so a
-# kernel that fits here fits every GPU kernelgen targets; H100 then keeps >= 2 blocks per SM.
-SMEM_LIMIT = 96 * 1024
+# Shared memory per block the tiles stay within: under what every target can opt into (99 KiB on
+# sm_86/sm_89), so that on the H100 two blocks or more share an SM; checked against the GPU too.
+SMEM_BUDGET = 96 * 1024
 
 # Output columns a lane owns side by side (at most; the template uses fewer when a thread has
 # fewer columns): 16-bit types read shared memory and store in 4/8-byte words of them, so a
-# thread issues about as few instructions per byte as float32 does with one column. One
-# column per lane left bf16 instruction-bound (84: 1.99 ms, 33 instructions per output);
-# measured on H100, 84 bf16 with block_q 512, rows 8: 2 columns 1.80 ms (256 threads) /
-# 1.56 ms (128 threads), 4 columns 1.52 ms (128 threads), 1.69 ms (64 threads).
-# float32 gains nothing from it (84 at 128 threads: 3.20 ms vs 2.95 at 256, one column).
+# thread issues about as few instructions per byte as float32 does with one column (one column
+# per lane left bf16 instruction-bound); float32 gains nothing from it (measured:
+# docs/selection.md, depthwise).
 COLUMN_VECTOR = {"float32": 1, "float16": 4, "bfloat16": 4, "float64": 1}
 
 TILES: Mapping[str, tuple[int, ...]] = {
@@ -98,25 +97,24 @@ class DepthwiseFamily(Family):
     layouts: tuple[str, ...] = ("nchw",)
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
+    engine: str = "fma"
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         check_depthwise(self.name, spec)
         smem = geometry(spec, _tiles_of(spec))["smem_bytes"]
-        if smem > SMEM_LIMIT:
+        if smem > min(SMEM_BUDGET, device.smem_block):
             raise Unsupported(f"depthwise tiles {_tiles_of(spec)} need {smem} bytes of shared memory for this "
-                              f"kernel/stride/dilation; at most {SMEM_LIMIT} are used (choose smaller tiles)")
+                              f"kernel/stride/dilation; at most {min(SMEM_BUDGET, device.smem_block)} are used "
+                              "(choose smaller tiles)")
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
-        """Tiles for a problem shape.
+        """Tiles for a problem shape (measured: docs/selection.md, depthwise).
 
         block_q: the column tile that loads the fewest window columns in all, counting
             the unused columns of a ragged last tile and each tile's (kw-1)*dw halo (ties:
             the wider tile). Q = 510 or 512 gives one 512-wide tile per row band. Tiles of
-            8 or 16 columns only where one covers the row (planes up to 16 wide): MobileNetV2's
-            960 channels on 32 x 7 x 7, H100, ms (8 columns / 32 / F.conv2d) TF32 0.046 /
-            0.060 / 0.031, bf16 0.046 / 0.064 / 0.033; 384 on 32 x 14 x 14 (16 / 32) 0.038 /
-            0.046 / 0.039.
+            8 or 16 columns only where one covers the row (planes up to 16 wide).
         threads: block_q / COLUMN_VECTOR clipped to [64, 256]: each lane owns COLUMN_VECTOR
             adjacent columns (4 for 16-bit types, so 128 threads for a 512-wide tile; 256 for
             float32), enough warps for the loads in flight, small enough to fit several
@@ -125,16 +123,10 @@ class DepthwiseFamily(Family):
             window rows: ~1.25 reads per input row for 3x3), fewer when the plane is
             shorter than a band, or when the whole problem would not give every SM
             a few tiles.
-        stages: 1. Measured on H100 (KernelBench 84/83, float32 and bfloat16), the
-            persistent double-buffered variant was 10-30% slower than one tile per block
+        stages: 1. The persistent double-buffered variant was slower than one tile per block
             at every tiling tried: ~5 resident blocks per SM already overlap one block's
             loads with another's math, and the persistent loop adds a barrier per tile.
         Then rows, block_q and threads shrink until the window fits in shared memory.
-
-        Measured (H100, benchmarks/bench_cases.py, these default tiles: block_q=512, rows=8,
-        stages=1): float32 (threads 256) 84 2.96 ms (F.conv2d 10.1 ms), 83 0.39 ms (F.conv2d
-        1.47); bfloat16 (threads 128, 4 columns a lane) 84 1.49 ms (F.conv2d 10.1 ms), 83
-        0.20 ms (F.conv2d 1.47). stages=2 stays slower in bfloat16 too (84: 1.85 vs 1.52 ms).
         """
         (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
         Q, P = max(problem.Q, 1), max(problem.P, 1)
@@ -147,7 +139,7 @@ class DepthwiseFamily(Family):
         # Tiles narrower than a warp (8, 16) only where one covers the whole row: elsewhere the
         # column count can favour them (a stride-2 row of 56 loads 119 columns in 8-wide tiles,
         # 129 in one 64-wide) while each warp then reads and writes short scattered runs
-        # (MobileNetV2's 96 channels stride 2 on 112 x 112, bf16: 0.081 ms against 0.055).
+        # (measured: docs/selection.md, depthwise).
         block_q = min((bq for bq in TILES["block_q"] if bq >= 32 or bq >= Q), key=loaded_columns)
         threads = max(TILES["threads"][0], min(256, block_q // COLUMN_VECTOR[spec.dtype]))
         threads_p = threads // min(block_q, threads)
@@ -159,12 +151,12 @@ class DepthwiseFamily(Family):
             bp = rows_ * (th // min(bq, th))
             return problem.N * spec.out_channels * -(-P // bp) * -(-Q // bq)
 
-        while rows > 1 and ntiles(rows, block_q, threads) < 4 * 132:
+        while rows > 1 and ntiles(rows, block_q, threads) < 4 * target(problem.device).sms:
             rows //= 2
         tiles = {"block_q": block_q, "rows": rows, "threads": threads, "stages": 1}
         # Shrink until the window fits (big kernels, strides or dilations); the loop ends at
         # the first value of every tile parameter, the smallest window there is.
-        while geometry(spec, tiles)["smem_bytes"] > SMEM_LIMIT:
+        while geometry(spec, tiles)["smem_bytes"] > SMEM_BUDGET:
             if tiles["rows"] > 1:
                 tiles["rows"] //= 2
             elif tiles["threads"] > max(tiles["block_q"], TILES["threads"][0]):  # stacked thread rows
@@ -177,9 +169,9 @@ class DepthwiseFamily(Family):
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         geo = geometry(spec, _tiles_of(spec))
-        if geo["smem_bytes"] > SMEM_LIMIT:
+        if geo["smem_bytes"] > SMEM_BUDGET:
             raise ConvArgumentError(f"depthwise tiles {_tiles_of(spec)} need {geo['smem_bytes']} bytes of shared "
-                                    f"memory for {spec.summary()}; at most {SMEM_LIMIT} (choose smaller tiles)")
+                                    f"memory for {spec.summary()}; at most {SMEM_BUDGET} (choose smaller tiles)")
         # The template recomputes this size and static_asserts that the two agree.
         return {"DW_SMEM_BYTES": geo["smem_bytes"], "DW_CV": COLUMN_VECTOR[spec.dtype]}
 

@@ -10,8 +10,8 @@ elements leaves every block waiting on a handful of short loads (h100.md, "Depth
 NCHW planes").
 
 The input planes are sized at run time: the kernel reserves `planes * H * W` elements of shared
-memory and refuses, naming the tile, a plane the device cannot hold that many of. The dispatcher
-sends it only planes that fit (`default_tiles` refuses the others).
+memory and refuses, naming the tile, a plane the device cannot hold that many of. It is a
+candidate only for planes that fit (`default_tiles` refuses the others).
 
 Tile parameters:
     planes   input planes a block (output planes: planes * multiplier);
@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family
+from .base import Family, target
 from .depthwise import ELEMENT_BYTES, check_depthwise
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 TILES: Mapping[str, tuple[int, ...]] = {
@@ -42,8 +43,8 @@ TAPS_LIMIT = 32 * 1024
 RUN_LIMIT = 48 * 1024
 # The run the default tiles aim at (bytes): enough loads in flight a block, several blocks an SM.
 RUN_TARGET = 16 * 1024
-# Blocks the default tiles keep at least (two an SM of the H100), halving `planes` for small batches.
-MIN_BLOCKS = 2 * 132
+# Blocks the default tiles keep at least an SM, halving `planes` for small batches.
+BLOCKS_PER_SM = 2
 
 
 def taps_bytes(spec: "ConvSpec", planes: int) -> int:
@@ -70,8 +71,9 @@ class DepthwisePlanesFamily(Family):
     layouts: tuple[str, ...] = ("nchw",)
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
+    engine: str = "fma"
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         check_depthwise(self.name, spec)
         planes = dict(spec.tiles)["planes"]
         need = taps_bytes(spec, planes)
@@ -84,18 +86,14 @@ class DepthwisePlanesFamily(Family):
         """Tiles for a problem shape.
 
         planes: the most (a power of two) whose input run stays within RUN_TARGET bytes and
-            whose taps fit, halved while the batch's planes make fewer than MIN_BLOCKS blocks;
+            whose taps fit, halved while the batch's planes make fewer than BLOCKS_PER_SM blocks an SM;
             at least one. A plane over RUN_LIMIT is refused (Unsupported): the tiles of
             `depthwise` serve it.
-        threads: 256, fewer where a block has fewer outputs than that (at least 64).
+        threads: 256, fewer where a block has fewer outputs than that (at least 64); 512 lost.
 
-        Measured on the H100, batch 32, 3x3 padding 1, same process, stream time of 20 calls,
-        us (planes x threads: 8 x 256 / 16 x 256 / 32 x 256 / 64 x 256 / 16 x 128; F.conv2d):
-        960 channels on 7 x 7 float32 16.4 / 12.8 / 11.5 / 11.1 / 11.3 (16.0), bf16 16.9 / 13.1 /
-        11.9 / 11.5 / 11.7 (17.1); 576 on 14 x 14 stride 2 float32 11.9 / 10.4 / 10.7 / 12.3 /
-        10.2 (11.0); 384 on 14 x 14 float32 14.7 / 13.8 / 14.1 / 18.1 / 14.5 (23.0), bf16 15.4 /
-        14.3 / 14.4 / 18.4 / 15.0 (24.6). 512 threads lost to 256 (64 planes: 11.1 -> 12.2 on 7 x 7).
+        (measured: docs/selection.md, depthwise_planes)
         """
+        device = target(problem.device)
         h, w = max(problem.H, 1), max(problem.W, 1)
         if run_bytes(spec, 1, h, w) > RUN_LIMIT:
             raise Unsupported(f"{self.name}: a plane of {h} x {w} needs {run_bytes(spec, 1, h, w)} bytes of shared "
@@ -104,7 +102,7 @@ class DepthwisePlanesFamily(Family):
         for value in TILES["planes"]:
             if run_bytes(spec, value, h, w) <= RUN_TARGET and taps_bytes(spec, value) <= TAPS_LIMIT:
                 planes = value
-        while planes > 1 and -(-max(problem.N, 1) * spec.in_channels // planes) < MIN_BLOCKS:
+        while planes > 1 and -(-max(problem.N, 1) * spec.in_channels // planes) < BLOCKS_PER_SM * device.sms:
             planes //= 2
         outputs = planes * spec.cout_per_group * max(problem.P, 1) * max(problem.Q, 1)
         threads = 256

@@ -1,7 +1,7 @@
 """The general CUDA family: a shared-memory tiled direct convolution.
 
 It serves every spec (any kernel, stride, padding, dilation, groups, dtype, and any
-strides), so the dispatcher can always fall back on it. Halo tiles and weights are
+strides), so every CUDA call has at least one candidate. Halo tiles and weights are
 staged in shared memory when they fit in 40 KB (below the 48 KB a block gets without
 opting in); otherwise the kernel reads them through the cache instead.
 """

@@ -21,8 +21,7 @@ Layers of few channels (fewer channel words than a k-step's 8: float32 under 8 c
 16-bit under 16) pack their reduction (tile `pack_k`, one stage): its words run over
 (channel word, kernel tap) pairs, padded to whole k-steps only once, and each k-step's B
 words come from a small table of halo offsets. A 3-channel 7x7 stem takes 19 TF32 k-steps
-instead of 49 (H100, 3->64 7x7 stride 2 on 32 x 224 x 224: TF32 0.15 ms against 0.46
-unpacked and F.conv2d's 0.35; bf16 0.12 against 0.71 and 0.35).
+instead of 49 (measured: docs/selection.md, pointwise and igemm).
 
 A stage is staged through registers (global loads for stage j+1 are in flight while
 stage j's MMAs run), double-buffered in shared memory with one barrier per stage.
@@ -49,9 +48,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, no_fit, staged_row
+from .base import Family, no_fit, staged_row, target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 # Accumulator floats per thread above which the compiler starts spilling.
@@ -60,8 +60,8 @@ MAX_ACC_PER_THREAD = 128
 MAX_PREFETCH_WORDS = 96
 MAX_THREADS = 512
 # Registers a thread needs beyond accumulators and prefetch (fragments, addresses), roughly.
-# 56, not less: case 63's 2x64 tile estimated at 121 was capped to 128 for two blocks per SM,
-# spilled, and ran 12.7 ms against 10.3 ms with one block (H100).
+# 56, not less: case 63's 2x64 tile estimated at 121 was capped to 128 for two blocks per SM and
+# spilled (measured: docs/selection.md, pointwise and igemm).
 REG_OVERHEAD = 56
 
 
@@ -174,7 +174,7 @@ class GemmFamily(Family):
         return {k: v for k, v in lay.items() if k not in ("PREFETCH_WORDS", "ACC_PER_THREAD")}
 
     # -- what can be served --------------------------------------------------------
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         (kh, kw), (sh, sw) = spec.kernel_size, spec.stride
         if self.flat:
             if (kh, kw) != (1, 1):
@@ -185,9 +185,9 @@ class GemmFamily(Family):
         if spec.out_channels * spec.cin_per_group * kh * kw >= 2**31:
             raise Unsupported("weights with 2^31 or more elements")
         if spec.tiles:  # a spec still being chosen carries none yet
-            self.check_tiles(spec, dict(spec.tiles))
+            self.check_tiles(spec, dict(spec.tiles), device)
 
-    def check_tiles(self, spec: "ConvSpec", t: Mapping[str, int]) -> None:
+    def check_tiles(self, spec: "ConvSpec", t: Mapping[str, int], device: "Device") -> None:
         """Raise Unsupported if tiles `t` cannot compute `spec` (registers, shared memory)."""
         lay = self.layout(spec, t)
         epw = lay["EPW"]
@@ -214,41 +214,34 @@ class GemmFamily(Family):
         if lay["PREFETCH_WORDS"] > MAX_PREFETCH_WORDS:
             raise Unsupported(f"a stage needs {lay['PREFETCH_WORDS']} prefetch registers per thread "
                               f"(> {MAX_PREFETCH_WORDS}); shrink block_k or the tile, or add warps")
-        if t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) > SM_SMEM or t["min_blocks"] * lay["NTH"] > 2048:
+        if t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) > device.smem_sm or t["min_blocks"] * lay["NTH"] > 2048:
             raise Unsupported(f"min_blocks={t['min_blocks']} blocks of {lay['SMEM_BYTES']} bytes of shared memory "
                               f"and {lay['NTH']} threads do not fit one SM")
-        if lay["SMEM_BYTES"] > SMEM_LIMIT:
-            raise Unsupported(f"tiles need {lay['SMEM_BYTES']} bytes of shared memory (> {SMEM_LIMIT}); "
+        if lay["SMEM_BYTES"] > device.smem_block:
+            raise Unsupported(f"tiles need {lay['SMEM_BYTES']} bytes of shared memory (> {device.smem_block}); "
                               f"shrink block_k, block_m or the pixel tile")
 
     # -- heuristics -------------------------------------------------------------------
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
-        """Tiles for a problem shape.
+        """Tiles for a problem shape (measured: docs/selection.md, pointwise and igemm).
 
         - block_m covers COUT_G up to 128 (32/64/128): each staged input value feeds as
           many output channels as possible; 8 warps as 2x4 (1x4 below 64 channels).
           igemm TF32 with resident weights tries cp.async input first (async_x=1, one
-          block per SM); see the measurements in the loop.
+          block per SM).
         - Epilogue: 16-bit outputs leave through shared memory (stage_out=1, one block per
           SM), float32 straight from the fragments.
-        - pointwise 16-bit: 128-pixel blocks first (measured faster on case 87).
+        - pointwise 16-bit: 128-pixel blocks first.
         - pointwise on large planes (at least 4096 pixels, 2^19 a call) with 128-channel blocks
           and one stage: 16 warps (4x4) and staged rows first, 256 pixels for 16-bit (register
           input), 128 for TF32 (cp.async input two tiles ahead, rows staged in the input buffer
-          just read). H100, case 87: bf16 2.36-2.41 ms against 2.60-2.66 for 128 pixels and
-          8 warps (F.conv2d 2.46-2.54); TF32 4.70-4.76 against 4.75-4.84 (F.conv2d 4.61-4.69).
-          TF32 was no faster with 256 pixels (4.72), two blocks an SM (4.76-4.80) or a block
-          a tile (5.5-7.0); nor with 64 x 64 warp tiles (256 pixels, 2x4 warps: 4.70-4.78
-          against 4.74-4.76), staging in a region of its own (4.80), or the staged rows leaving
-          as one cp.async.bulk copy each (7.3: about 85 cycles a copy on an SM).
+          just read).
         - block_k takes all of CIN_G when that is at most 64 channels: the reduction is
           one stage, the weights stay resident and blocks are persistent (the
           memory-bound 1x1 and small-CIN k x k cases). pointwise rounds it up to an allowed
-          block_k (48 channels: one stage of 64): H100, 8 x 512 x 512, bf16 48->96 239 us
-          against 463 in 16-channel stages (F.conv2d 227), fp16 40->128 516 against 976 (533).
-          Otherwise 16 channels, or 8 for float32 kernels of 5x5 and up (smaller weight slices
-          per stage).
+          block_k (48 channels: one stage of 64). Otherwise 16 channels, or 8 for float32
+          kernels of 5x5 and up (smaller weight slices per stage).
         - Pixels: a long reduction (CIN_G*KH*KW >= 256: compute-bound) gets 256 pixels
           per block (not for 3xTF32, whose per-stage partial sums double the
           accumulators), i.e. a 64x64 warp tile, which halves shared-memory traffic per MMA;
@@ -257,21 +250,12 @@ class GemmFamily(Family):
           width: 2x64 / 1x128 for wide rows (2x128 / 4x64 when long), narrower otherwise.
         - Kernel rows: all staged at once (full_kh=1) up to 3 rows, one per stage above.
         - pack_k=1 first (all channels and kernel rows in one stage) where a tap has fewer
-          channel words than a k-step and packing (channel word, tap) pairs saves k-steps.
-          H100, same process (ms, packed / unpacked / F.conv2d), 32 x 224 x 224 unless said:
-          3->64 7x7 stride 2 TF32 0.152 / 0.458 / 0.345, bf16 0.121 / 0.709 / 0.345, strict
-          0.287 / 0.850 (direct 0.779) / 0.394; 3->32 3x3 stride 2 TF32 0.064 / 0.117 / 0.072,
-          bf16 0.067 / 0.110 / 0.074, strict 0.074 / 0.156 / 0.078; 3->64 3x3 TF32 0.232 /
-          0.268 / 0.356, bf16 0.202 / 0.349 / 0.421, strict 0.297 / 0.454 / 0.352; on 16 x 512
-          x 512: bf16 3->64 3x3 0.365 / 0.678 / 1.067, 8->64 0.459 / 0.676 / 1.306, 12->64
-          0.568 / 0.671 / 1.407; bf16 8->16 7x7 (8 x 512 x 512) 0.362 / 1.090 / 2.921. TF32
-          12->64 3x3 (12 channel words) lost packed, 0.949 / 0.919, hence the 8-word bound.
-          cp.async input (async_x) and staged float32 rows were slower packed (7x7 stem TF32
-          0.184 and 0.212).
+          channel words than a k-step's 8 and packing (channel word, tap) pairs saves k-steps.
         - min_blocks=2 when the register estimate (accumulators + prefetch + 56) allows two
           256-thread blocks per SM without spilling, else 1.
         The first candidate that passes check_tiles wins.
         """
+        device = target(problem.device)
         epw = 1 if spec.dtype == "float32" else 2
         cout_g, cin_g = spec.cout_per_group, spec.cin_per_group
         kh, kw = spec.kernel_size
@@ -289,7 +273,7 @@ class GemmFamily(Family):
         strict3 = spec.dtype == "float32" and spec.math == "ieee"  # 3xTF32: more registers
         bn_list = (256, 128, 64) if heavy and bm == 128 and not strict3 else (128, 64)
         if self.flat and epw == 2:
-            bn_list = (128, 64)  # case 87 bf16, staged: 2.76 ms against 2.83 with 64 (H100)
+            bn_list = (128, 64)  # case 87 bf16, staged (measured: docs/selection.md, pointwise)
         tf32 = spec.dtype == "float32" and spec.math == "tf32"
         tiles: list[dict[str, int]] = []
         plane = problem.P * problem.Q
@@ -306,13 +290,10 @@ class GemmFamily(Family):
         if not self.flat and cw < 8 and _ceil(cw * kh * kw, 8) < kh * kw:
             passes.insert(0, (full_k, (1,), 1))
         for ck, fulls, pk in passes:
-            # 16-bit: the staged epilogue first (H100: case 87 bf16 2.76 ms against 3.09 with
-            # fragment stores; 63 bf16 igemm 6.3 against 9.4), in one block per SM.
-            # float32: fragment stores (staged, 63 TF32 10.0-11.0 against 8.5, 87 strict 7.4
-            # against 6.4, 87 TF32 even). With resident weights, TF32 first tries 128 channels
-            # with cp.async input (async_x=1): 63 TF32 8.33-8.51 ms against 8.67-8.99 for the
-            # register-staged kernels; cp.async lost elsewhere (87 TF32 4.81-5.05 vs 4.75, 87
-            # strict 6.68 vs 6.28, 63 strict 15.0 vs 13.8); async_x=2 was even or slower.
+            # 16-bit: the staged epilogue first, in one block per SM. float32: fragment stores;
+            # with resident weights, TF32 first tries 128 channels with cp.async input
+            # (async_x=1), which won on case 63 only (measured: docs/selection.md, pointwise and
+            # igemm).
             resident = not self.flat and ck >= cin_g and (kh <= 3 or pk == 1)
             variants: list[dict[str, int]] = []
             if epw == 2:
@@ -355,11 +336,11 @@ class GemmFamily(Family):
                 reasons.append(f"about {regs} registers a thread for {lay['ACC_PER_THREAD']} accumulators "
                                f"and {lay['PREFETCH_WORDS']} prefetch words")
                 continue
-            fits2 = 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and regs * lay["NTH"] * 2 <= 65536
+            fits2 = 2 * (lay["SMEM_BYTES"] + 1024) <= device.smem_sm and regs * lay["NTH"] * 2 <= device.regs_sm
             if "min_blocks" not in cand:  # else as measured
                 cand["min_blocks"] = 2 if fits2 else 1
             try:
-                self.check_tiles(spec, cand)
+                self.check_tiles(spec, cand, device)
             except Unsupported as exc:
                 reasons.append(str(exc))
                 continue
@@ -367,7 +348,7 @@ class GemmFamily(Family):
         raise Unsupported(no_fit(fixed, reasons))
 
 
-_COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "bfloat16"), tf32=True)
+_COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma")
 
 pointwise = GemmFamily(
     name="pointwise", template="cuda/pointwise.cu.j2", flat=True,
@@ -378,7 +359,7 @@ pointwise = GemmFamily(
 )
 
 igemm = GemmFamily(
-    name="igemm", template="cuda/igemm.cu.j2",
+    name="igemm", template="cuda/igemm.cu.j2", row_tile=8,
     tiles={"block_m": (32, 64, 128), "tile_p": (1, 2, 4, 8, 16), "tile_q": (8, 16, 32, 64, 128),
            "block_k": (8, 16, 32, 64), "full_kh": (0, 1), "warps_m": (1, 2, 4), "warps_n": (1, 2, 4, 8),
            "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1, 2), "pack_k": (0, 1)},

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SMEM_LIMIT, Family, element_size
+from .base import Family, element_size, target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 TILES: Mapping[str, tuple[int, ...]] = {
@@ -56,11 +57,8 @@ TILES: Mapping[str, tuple[int, ...]] = {
 
 WREG_LIMIT = 96  # 32-bit registers a thread may hold taps in (a 3x3 of 16 x 16 TF32 taps: 72)
 TILE_PIXELS = 128  # the default tile's output pixels, about (8 MMA row tiles a warp)
-# 16-bit NCHW windows of more elements a thread than this go through the transpose. H100, ResNeXt's
-# 32 groups at batch 32, stream us, in place / transposed / F.conv2d: of 16 at stride 2 from 28 x 28
-# (217 a thread) 75.0 / 63.4 / 68.1; of 32 at stride 2 from 14 x 14 (112) 38.3 / 44.4 / 43.7; of 16
-# on 14 x 14 (72) 23.7 / 30.6 / 44.1. Float32 copies by cp.async and stays in place (stride 2, 16
-# a group, 217: 70.0 / 89.1 / 95.8).
+# 16-bit NCHW windows of more elements a thread than this go through the transpose; float32 copies
+# by cp.async and stays in place (measured: docs/selection.md, grouped_mma).
 ELEMENT_LOADS = 160
 MAX_THREADS = 1024
 
@@ -117,9 +115,10 @@ class GroupedMmaFamily(Family):
     layouts: tuple[str, ...] = ("nhwc", "nchw")
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
+    engine: str = "mma"
     tf32: bool = True
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         if spec.dtype == "float32" and spec.math != "tf32":
             raise Unsupported("grouped_mma runs TF32 or 16-bit MMAs; strict float32 is not served")
         cin_g, cout_g, step = spec.cin_per_group, spec.cout_per_group, k_step(spec)
@@ -127,9 +126,9 @@ class GroupedMmaFamily(Family):
             raise Unsupported(f"grouped_mma serves two groups or more of whole MMA k-steps of input channels ({step} "
                               f"for {spec.dtype}) and whole 8s of output channels, got groups={spec.groups} with "
                               f"{cin_g} -> {cout_g} a group")
-        self.check_tiles(spec, dict(spec.tiles))
+        self.check_tiles(spec, dict(spec.tiles), device)
 
-    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int], device: "Device") -> None:
         wn, gb = tiles["warp_n"], tiles["groups_block"]
         if spec.cout_per_group % wn:
             raise Unsupported(f"grouped_mma: warp_n={wn} must divide the {spec.cout_per_group} output channels a group")
@@ -147,9 +146,9 @@ class GroupedMmaFamily(Family):
         if -(-spec.groups // gb) > 65535:
             raise Unsupported(f"grouped_mma: {spec.groups} groups in blocks of {gb} exceed a grid column")
         need = smem_bytes(spec, tiles)
-        if need > SMEM_LIMIT:
+        if need > device.smem_block:
             raise Unsupported(f"grouped_mma: tiles {dict(tiles)} need {need} bytes of shared memory, at most "
-                              f"{SMEM_LIMIT} (choose a smaller tile)")
+                              f"{device.smem_block} (choose a smaller tile)")
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
@@ -165,6 +164,7 @@ class GroupedMmaFamily(Family):
         transpose: 1 for 16-bit NCHW calls whose threads would load more than ELEMENT_LOADS
             window elements each in place, else 0.
         """
+        device = target(problem.device)
         fixed = dict(fixed or {})
         P, Q = max(problem.P, 1), max(problem.Q, 1)
         wn = fixed.get("warp_n", 16 if spec.cout_per_group % 16 == 0 and tap_registers(spec, 16) <= WREG_LIMIT else 8)
@@ -176,7 +176,7 @@ class GroupedMmaFamily(Family):
         bp = min(bp, TILES["block_p"][-1])
         tiles = {"block_p": bp, "block_q": min(bq, TILES["block_q"][-1]), "groups_block": gb, "warp_n": wn,
                  "m_tiles": 1, "min_blocks": 0, "transpose": 0, **fixed}
-        while tiles["block_p"] > 1 and "block_p" not in fixed and smem_bytes(spec, tiles) > SMEM_LIMIT:
+        while tiles["block_p"] > 1 and "block_p" not in fixed and smem_bytes(spec, tiles) > device.smem_block:
             tiles["block_p"] = -(-tiles["block_p"] // 2)
         if "transpose" not in fixed and spec.layout == "nchw" and spec.dtype != "float32":
             tiles["transpose"] = int(window_loads(spec, tiles) > ELEMENT_LOADS)

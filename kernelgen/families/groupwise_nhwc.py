@@ -14,8 +14,8 @@ shared memory instead; in channels_last a plane is not contiguous, so this one i
 
 NCHW calls (layout 'nchw') take one more pass: the input is transposed into the workspace as
 dense NHWC (KG_WORKSPACE_PER_INPUT bytes an input element), and each output channel's pixels of
-a strip are written to its NCHW plane as one run. The dispatcher sends NCHW grouped layers of
-narrow groups here, whose NCHW alternative (igemm) runs a thin reduction on tensor cores.
+a strip are written to its NCHW plane as one run. It serves NCHW grouped layers of narrow
+groups, whose NCHW alternative (igemm) runs a thin reduction on tensor cores.
 
 Tile parameters (every combination is a valid kernel where its taps fit in shared memory):
     block_c  channel vectors a block (lanes fastest); a warp's loads and stores are runs
@@ -33,17 +33,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConvArgumentError, Unsupported
-from .base import Family
-# The NCHW family's table (float64 too: the dispatcher asks every family for tiles before its
+from .base import Family, target
+# The NCHW family's table (float64 too: the selector asks every family for tiles before its
 # check refuses the dtype) and its shape checks (groups, and the tap limit every stencil unrolls).
 from .depthwise import ELEMENT_BYTES, check_depthwise, check_taps
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 ACC_BYTES = 4  # float accumulators (and staged taps) for every dtype
 # The block's taps live in static shared memory.
-SMEM_LIMIT = 48 * 1024
+SMEM_BUDGET = 48 * 1024
 
 TILES: Mapping[str, tuple[int, ...]] = {
     # First values are the smallest footprint, so a spec that fits with them fits at all.
@@ -76,7 +77,7 @@ UNROLL_FMAS = 2304
 
 def _fitting_block_c(spec: "ConvSpec", block_c: int) -> int:
     """block_c, halved while the block's taps do not fit in shared memory."""
-    while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_LIMIT:
+    while block_c > 1 and smem_bytes(spec, {"block_c": block_c}) > SMEM_BUDGET:
         block_c //= 2
     return block_c
 
@@ -84,9 +85,9 @@ def _fitting_block_c(spec: "ConvSpec", block_c: int) -> int:
 def _check_smem(name: str, spec: "ConvSpec") -> None:
     tiles = dict(spec.tiles)  # a spec always names every tile (unnamed ones take their first value)
     need = smem_bytes(spec, tiles)
-    if need > SMEM_LIMIT:
+    if need > SMEM_BUDGET:
         raise Unsupported(f"{name} tiles {tiles} stage {need} bytes of taps; at most "
-                          f"{SMEM_LIMIT} (choose a smaller block_c)")
+                          f"{SMEM_BUDGET} (choose a smaller block_c)")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class GroupwiseNhwcFamily(Family):
     # float64 calls are never channels_last on CUDA (F.conv2d returns them contiguous).
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))
+    engine: str = "fma"
+    nchw_copy: bool = True
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
@@ -114,17 +117,7 @@ class GroupwiseNhwcFamily(Family):
         rows: 2 for kernels of 7 rows or more, else 1.
         threads: 256.
 
-        Measured on H100, channels_last, batch 32, ms against F.conv2d in the same process
-        (forced tiles; vec_q x rows): MobileNetV2's 3x3s (32 channels on 112 x 112, 96 at
-        stride 2, 144 on 56 x 56, 384 on 14 x 14, 960 on 7 x 7) ran fastest or within noise of
-        it at 4x1 in float32 and bf16 (32 channels on 112 x 112, float32: 4x1 0.056, 4x2 0.058,
-        8x1 0.057, 2x1 0.059, F.conv2d 0.052; one pixel a thread, 1x1, took 0.081 where 4x1 took
-        0.061). ConvNeXt's 7x7 (96 channels on 56 x 56) took 4x2:
-        float32 0.090 (4x1 0.099, 8x1 0.089, 2x1 0.121; F.conv2d 0.19), bf16 0.097 (4x1 0.119;
-        F.conv2d 0.083). EfficientNet's 5x5 stride 2 (144 on 56 x 56): 4x1 0.052 / 0.042,
-        4x2 0.056 / 0.045. 128 or 512 threads and two or more blocks an SM forced by launch
-        bounds did not help on the whole; neither did issuing every kernel row's loads before
-        the first is used (more registers).
+        (measured: docs/selection.md, depthwise_nhwc and grouped_nhwc)
         """
         fixed = dict(fixed or {})
         vec = vec_of(spec.dtype)
@@ -144,9 +137,9 @@ class GroupwiseNhwcFamily(Family):
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         tiles = dict(spec.tiles)
         need = smem_bytes(spec, tiles)
-        if need > SMEM_LIMIT:
+        if need > SMEM_BUDGET:
             raise ConvArgumentError(f"{self.name} tiles {tiles} stage {need} bytes of taps for "
-                                    f"{spec.summary()}; at most {SMEM_LIMIT} (choose a smaller block_c)")
+                                    f"{spec.summary()}; at most {SMEM_BUDGET} (choose a smaller block_c)")
         kh, kw = spec.kernel_size
         fmas = kh * kw * spec.cin_per_group * vec_of(spec.dtype) * tiles["vec_q"]
         # The template recomputes the size and static_asserts that the two agree; NCHW calls
@@ -161,7 +154,7 @@ class DepthwiseNhwcFamily(GroupwiseNhwcFamily):
 
     name: str = "depthwise_nhwc"
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         check_depthwise(self.name, spec)
         _check_smem(self.name, spec)
 
@@ -180,22 +173,15 @@ class GroupedNhwcFamily(GroupwiseNhwcFamily):
 
         Narrow groups multiply each input vector by CIN_G taps a channel, read from shared
         memory: with 4 vectors a block, the 8 strips of a warp read the same taps (a broadcast),
-        where 32 vectors a warp read 32 different ones. H100, channels_last input and weights,
-        batch 32, ms against F.conv2d in the same process (forced tiles): ResNeXt-50's 32
-        groups of 4 on 56 x 56, float32: 4 vectors x 2 rows 0.098 / 0.116, x 1 row 0.080 /
-        0.103, 8 vectors 0.086 / 0.109, 2 vectors 0.112 / 0.108, nhwc 0.412 / 0.104 (with OIHW
-        weights, depthwise's default of 32 vectors x 1 row took 0.104 / 0.129); bf16: 4 x 2 0.067 / 0.066, 4 x 1
-        0.071 / 0.065, 8 0.080 / 0.067, 2 0.081 / 0.074. 32 groups of 8 on 28 x 28, bf16: 4 x 2
-        0.054 / 0.044, 4 x 1 0.067 / 0.052, 8 0.094 / 0.054, 2 0.063 / 0.047, nhwc 0.112 /
-        0.048. One vector a block (a full broadcast, but 16-byte loads of 32 pixels apart),
-        8 pixels a thread, 128 threads and launch bounds of 1-3 blocks an SM were no better.
+        where 32 vectors a warp read 32 different ones (measured: docs/selection.md,
+        depthwise_nhwc and grouped_nhwc).
         """
         tiles = super().default_tiles(spec, problem)
         cvec = -(-spec.out_channels // vec_of(spec.dtype))
         tiles.update(block_c=_fitting_block_c(spec, min(4, 1 << (cvec - 1).bit_length())), rows=2)
         return {**tiles, **dict(fixed or {})}
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         cin_g, cout_g, vec = spec.cin_per_group, spec.cout_per_group, vec_of(spec.dtype)
         if spec.groups < 2 or not 2 <= cin_g <= MAX_CIN_G:
             raise Unsupported(f"{self.name} serves grouped convolutions of 2-{MAX_CIN_G} input channels a group, "

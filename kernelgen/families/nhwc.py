@@ -7,11 +7,16 @@ image, so small planes (ResNet's 7 x 7 and 14 x 14) fill whole tiles, and K = (r
 A pixel's channels are contiguous in channels_last, so each row of a k-tile (BK channels of one
 kernel tap) is one 16-byte-aligned run: cp.async copies it, zero-filled in the padding and past
 the group's channels. The weights are repacked per call into the workspace as
-[COUT][KH][KW][CIN_G]. Any stride, dilation and padding; float32 (TF32, or strict as 3xTF32),
-bfloat16 and float16.
+[COUT][KH][KW][CIN_G]. Any stride, dilation and padding, any number of channels; float32 (TF32,
+or strict as 3xTF32), bfloat16 and float16.
 
-NCHW calls (layout 'nchw'; the dispatcher sends small planes here, see dispatch.py) take one
-more pass: the input is transposed into the workspace as dense NHWC, after the weights, and the
+Channels a group that are not whole 16-byte chunks (RegNet's 1044 -> 185, a stem's 3) are read
+from a copy of the input in the workspace, each group's channels padded with zeros to whole
+chunks (cin_padded), against weights repacked with zeros there too: one more pass over the input,
+and then every k-tile row is a whole aligned run again. An odd number of output channels a group
+leaves a channel at a time.
+
+NCHW calls (layout 'nchw') take one more pass: the input is transposed into the workspace as dense NHWC, after the weights, and the
 epilogue writes NCHW output directly. The workspace then grows with the input
 (KG_WORKSPACE_PER_INPUT bytes an input element). wgmma (tile wg) on a dense channels_last
 TF32 input where it is read four times or more takes a rounded copy there the same way
@@ -29,14 +34,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, element_size
+from .base import Family, element_size, target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
-# SMEM_LIMIT (base.py) is the H100's; sm_80 opts into 163 KB, and layouts above it fail at launch there.
-SMS = 132  # H100's SMs: the tile rule aims for two waves of blocks
 REG_OVERHEAD = 32  # addresses, loop state, bias and the loader's place in the reduction
+
+
+def cin_padded(spec: "ConvSpec") -> int:
+    """A group's input channels rounded up to whole 16-byte chunks: where they are not whole
+    already, the kernel reads a copy of the input padded with zeros so (the template's PADDED)."""
+    vec = 16 // element_size(spec)
+    return -(-spec.cin_per_group // vec) * vec
 
 
 @dataclass(frozen=True)
@@ -64,18 +75,12 @@ class NhwcFamily(Family):
                 # wgmma: 1 KB more, to start the ring on a whole 1024-byte swizzle pattern
                 "SMEM_BYTES": stages * (bm + bn) * kc * 16 + (1024 if wg else 0), "REGS": regs}
 
-    def check_shape(self, spec: "ConvSpec") -> None:
-        vec = 16 // element_size(spec)
-        if spec.cin_per_group % vec:
-            raise Unsupported(f"nhwc needs input channels per group in whole 16-byte chunks ({vec} for "
-                              f"{spec.dtype}), got {spec.cin_per_group}")
-        if spec.cout_per_group % 2:
-            raise Unsupported(f"nhwc writes pairs of output channels; got {spec.cout_per_group} per group")
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         if spec.groups > 65535:
             raise Unsupported(f"nhwc launches one grid layer per group, at most 65535; got {spec.groups}")
-        self.check_tiles(spec, dict(spec.tiles))
+        self.check_tiles(spec, dict(spec.tiles), device)
 
-    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int], device: "Device") -> None:
         lay = self.layout(spec, tiles)
         if tiles.get("wg", 0) == 1:
             if spec.dtype == "float32" and spec.math == "ieee":
@@ -85,17 +90,17 @@ class NhwcFamily(Family):
             # wgmma's accumulators cannot spill: ptxas refuses the kernel instead (needs 90 for 512
             # threads of 64 x 128 slices, 154 for 256 of 64 x 256)
             blocks = tiles.get("min_blocks", 1)
-            if lay["REGS"] * lay["NTH"] * blocks > 65536:
+            if lay["REGS"] * lay["NTH"] * blocks > device.regs_sm:
                 raise Unsupported(f"nhwc: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers exceed "
                                   "the SM's 65536 (wgmma's accumulators stay in registers)")
         elif tiles["block_n"] > 128:
             raise Unsupported("nhwc: 256-channel tiles are wgmma's (wg=1)")
         if lay["BM"] * lay["KC"] % lay["NTH"] or lay["NTH"] % lay["KC"]:
             raise Unsupported(f"nhwc: {lay['NTH']} threads cannot share {lay['BM']} rows of {lay['KC']} chunks")
-        if lay["REGS"] * lay["NTH"] > 65536:
+        if lay["REGS"] * lay["NTH"] > device.regs_sm:
             raise Unsupported(f"nhwc: {lay['NTH']} threads of ~{lay['REGS']} registers exceed the SM's 65536")
-        if lay["SMEM_BYTES"] > SMEM_LIMIT:
-            raise Unsupported(f"nhwc: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
+        if lay["SMEM_BYTES"] > device.smem_block:
+            raise Unsupported(f"nhwc: {lay['SMEM_BYTES']} bytes of shared memory exceed {device.smem_block}")
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
@@ -107,24 +112,18 @@ class NhwcFamily(Family):
         wg (wgmma) on sm_90a, for TF32 and 16-bit rows of 8 chunks: 128 pixels x 128 channels
         (64 where the group has no more), halved in channels while the grid is under half a
         wave; a ring of 3 k-tiles (two blocks an SM) for reductions under 32 k-tiles, else 4.
-        H100, ms (mma.sync's default / wgmma's), channels_last unless named: 256->256 3x3 on
-        8 x 56 x 56 TF32 0.297 / 0.250, bf16 0.168 / 0.122; on 32 x 14 x 14 TF32 0.117 / 0.108
-        (128 x 64 tiles: 0.138), bf16 0.083 / 0.064; NCHW 512->512 3x3 on 32 x 7 x 7 (52 blocks
-        of 128 x 128) TF32 0.166 / 0.122 at 128 x 64, bf16 0.104 / 0.085; 256->512 1x1 stride 2
-        on 32 x 56 x 56 TF32 0.116 / 0.100, bf16 0.074 / 0.065; 64->64 3x3 on 8 x 224 x 224 TF32
-        0.357 / 0.340, bf16 0.223 / 0.181 (scratch sweep of six tiles each). Tried and lost on 12
-        such layers (benchmarks/results/h100.md, twenty-sixth session): a producer warpgroup
-        feeding the ring (geomean speedup over F.conv2d TF32 0.59 / bf16 0.62 against 0.64 /
-        0.75), 256-pixel blocks, three blocks an SM.
+        A producer warpgroup, 256-pixel blocks and three blocks an SM were tried and lost
+        (measured: docs/selection.md, nhwc).
 
         Otherwise mma.sync: tiles of 128 pixels x up to 128 channels, smaller while the grid is
         under two waves; stages: the deepest ring that lets two blocks share an SM. Strict
         float32 (3xTF32, mma.sync only) keeps 64-pixel tiles (its k-tile sums double the
         accumulators).
         """
+        device = target(problem.device)
         esize = element_size(spec)
         strict = spec.dtype == "float32" and spec.math == "ieee"
-        row_bytes = spec.cin_per_group * esize
+        row_bytes = cin_padded(spec) * esize
         kc = 8 if row_bytes >= 128 else 4 if row_bytes >= 64 else 2
         cout = spec.cout_per_group
         m = problem.N * problem.P * problem.Q
@@ -135,12 +134,12 @@ class NhwcFamily(Family):
         fixed = dict(fixed or {})
         # (forced tiles that only mma.sync takes keep it)
         wg_fits = fixed.get("stages", 3) >= 3 and fixed.get("block_m", 64) % 64 == 0
-        wg = fixed.get("wg", 1 if problem.arch == "sm_90a" and not strict and kc == 8 and wg_fits else 0)
-        if wg == 1 and problem.arch != "sm_90a":
-            raise Unsupported(f"nhwc: wgmma (wg=1) needs sm_90a (target {problem.arch or 'unknown'})")
+        wg = fixed.get("wg", 1 if device.arch == "sm_90a" and not strict and kc == 8 and wg_fits else 0)
+        if wg == 1 and device.arch != "sm_90a":
+            raise Unsupported(f"nhwc: wgmma (wg=1) needs sm_90a (target {device.arch})")
         if wg == 1:
             bm, bn = 128, 128 if cout > 64 else 64
-            while blocks(bm, bn) < SMS // 2 and bn > 64:
+            while blocks(bm, bn) < device.sms // 2 and bn > 64:
                 bn //= 2
             bk = fixed.get("chunks", kc) * 16 // esize  # channels a k-tile
             kt = spec.kernel_size[0] * spec.kernel_size[1] * -(-spec.cin_per_group // bk)
@@ -148,7 +147,7 @@ class NhwcFamily(Family):
         else:
             bn = 128 if cout >= 128 else 64 if cout > 32 else 32
             bm = 64 if strict else 128
-            while blocks(bm, bn) < 2 * SMS and (bm > 64 or bn > 64):
+            while blocks(bm, bn) < 2 * device.sms and (bm > 64 or bn > 64):
                 if bm > 64:
                     bm //= 2
                 else:
@@ -159,12 +158,12 @@ class NhwcFamily(Family):
             for stages in stage_order:
                 cand = {"block_m": bm, "block_n": bn, "chunks": kc_, "stages": stages, "wg": wg, **fixed}
                 try:
-                    self.check_tiles(spec, cand)
+                    self.check_tiles(spec, cand, device)
                 except Unsupported as exc:
                     reasons.append(str(exc))
                     continue
                 lay = self.layout(spec, cand)
-                two = 2 * (lay["SMEM_BYTES"] + 1024) <= SM_SMEM and lay["REGS"] * lay["NTH"] * 2 <= 65536
+                two = 2 * (lay["SMEM_BYTES"] + 1024) <= device.smem_sm and lay["REGS"] * lay["NTH"] * 2 <= device.regs_sm
                 fitting.append((cand, two))
             if fitting:
                 break
@@ -174,16 +173,25 @@ class NhwcFamily(Family):
             return cand
         raise Unsupported(f"no tile configuration fits ({reasons[0]})")
 
+    def cost_class(self, spec: "ConvSpec") -> str:
+        return "wgmma" if dict(spec.tiles).get("wg", 0) == 1 else "mma"
+
+    def traffic(self, spec: "ConvSpec", problem: "Problem") -> float:
+        """The base's bytes, and a padded copy of the input as an NCHW call's transpose costs."""
+        base = super().traffic(spec, problem)
+        if spec.layout == "nhwc" and cin_padded(spec) != spec.cin_per_group:
+            base += 2.0 * problem.N * spec.in_channels * problem.H * problem.W * element_size(spec)
+        return base
+
     def round_copy(self, spec: "ConvSpec") -> bool:
         """Whether wgmma on a channels_last TF32 input rounds a copy of it first (else each k-tile
         is rounded in shared memory): where blocks read each input element four times or more
-        (taps over the stride's area, times blocks across the output channels). H100, ms (in
-        shared memory / copy): 512->512 3x3 on 32 x 7 x 7 0.168 / 0.116, 128->128 3x3 on 28 x 28
-        0.123 / 0.094, 2048->512 1x1 on 7 x 7 (8 blocks across) 0.081 / 0.069; read once or
-        twice: 256->64 1x1 on 56 x 56 0.089 / 0.156, 256->512 1x1 stride 2 0.098 / 0.155,
-        128->128 3x3 stride 2 (2.25 reads) 0.120 / 0.143."""
+        (taps over the stride's area, times blocks across the output channels); inputs read once
+        or twice are rounded faster in shared memory (measured: docs/selection.md, nhwc)."""
         t = dict(spec.tiles)
         if not (t["wg"] == 1 and spec.layout == "nhwc" and spec.dtype == "float32" and spec.math == "tf32"):
+            return False
+        if cin_padded(spec) != spec.cin_per_group:  # the padded copy is rounded as it is made
             return False
         (kh, kw), (sh, sw) = spec.kernel_size, spec.stride
         return kh * kw * -(-spec.cout_per_group // t["block_n"]) >= 4 * sh * sw
@@ -193,19 +201,21 @@ class NhwcFamily(Family):
         ctx.pop("REGS")
         (kh, kw) = spec.kernel_size
         ctx["MIN_BLOCKS"] = dict(spec.tiles)["min_blocks"]
-        # The repacked weights, then (NCHW calls) the transposed input from a 256-byte boundary.
-        wbytes = spec.out_channels * kh * kw * spec.cin_per_group * element_size(spec)
+        cinp = ctx["CIN_GP"] = cin_padded(spec)
+        # The repacked weights, then (NCHW calls, padded channels) the input's copy from a 256-byte
+        # boundary; a padded copy takes CIN_GP elements for every CIN_G of the input.
+        wbytes = spec.out_channels * kh * kw * cinp * element_size(spec)
         ctx["WS_X_OFFSET"] = -(-wbytes // 256) * 256
         ctx["ROUND_COPY"] = self.round_copy(spec)
-        copy = spec.layout == "nchw" or ctx["ROUND_COPY"]  # the input's copy follows the weights
+        copy = spec.layout == "nchw" or ctx["ROUND_COPY"] or cinp != spec.cin_per_group
         ctx["WORKSPACE_BYTES"] = ctx["WS_X_OFFSET"] if copy else wbytes
-        ctx["WORKSPACE_PER_INPUT"] = element_size(spec) if copy else 0
+        ctx["WORKSPACE_PER_INPUT"] = -(-element_size(spec) * cinp // spec.cin_per_group) if copy else 0
         return ctx
 
 
 nhwc = NhwcFamily(
     name="nhwc", device="cuda", template="cuda/nhwc.cu.j2", layouts=("nhwc", "nchw"),
-    dtypes=("float32", "float16", "bfloat16"), tf32=True,
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma", nchw_copy=True,
     tiles={"block_m": (128, 64, 256), "block_n": (128, 64, 32, 256), "chunks": (8, 4, 2), "stages": (3, 4, 2),
            "min_blocks": (1, 2), "wg": (0, 1)},
 )

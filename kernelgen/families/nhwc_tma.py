@@ -43,16 +43,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, element_size, first_fit
+from .base import Family, element_size, first_fit, target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 CORNER = 127  # the TMA's im2col corners and tap offsets of a 4-D tensor: 8-bit signed
 BLOCK_P = (128, 256, 64, 112, 56, 96, 80)  # pixels a block (the first, the default)
 HALO_MIN_Q = 112  # output rows at least this long take halo tiles by default (56 measured even or slower)
-AREG_FEW_TILES = 66  # a_regs layers of fewer 128-pixel tiles than this take 64-pixel ones (half an H100's SMs)
-SPLIT_FEW_TILES = 66  # other layers of fewer tiles than this split their reduction in two
+# a_regs layers of fewer 128-pixel tiles than half the GPU's SMs take 64-pixel ones; other layers of
+# so few tiles split their reduction in two
 SPLIT_MIN_K_TILES = 8  # (where it has this many k-tiles or more, an even number)
 SHORT_1X1_K_TILES = 5  # channels_last 1x1 layers of at most this many k-tiles walk tiles (short_1x1)
 
@@ -136,7 +137,7 @@ class NhwcTmaFamily(Family):
                 "STATIC": 8 * ((2 * pipes + 1) * stages + 1) + 16 * (pipes * wslots + 1),
                 "REGS": _areg_regs(bco) if areg else _regs(bp // wgn, ncw, tiles.get("round_smem", 0))}
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         vec = 16 // element_size(spec)
         if spec.groups != 1:
             raise Unsupported("nhwc_tma serves dense layers (groups=1)")
@@ -151,9 +152,9 @@ class NhwcTmaFamily(Family):
                               f"{(kh - 1) * dh + 1} x {(kw - 1) * dw + 1}, padding {spec.padding})")
         if max(spec.stride) > 8:
             raise Unsupported(f"nhwc_tma: the TMA steps 8 pixels at most (stride {spec.stride})")
-        self.check_tiles(spec, dict(spec.tiles))
+        self.check_tiles(spec, dict(spec.tiles), device)
 
-    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int], device: "Device") -> None:
         lay = self.layout(spec, tiles)
         if tiles.get("round_smem", 0) and not (spec.dtype == "float32" and spec.layout == "nhwc"):
             raise Unsupported("nhwc_tma: round_smem rounds TF32 channels_last inputs (16-bit needs no rounding, and "
@@ -202,8 +203,8 @@ class NhwcTmaFamily(Family):
         if lay["NTH"] > 1024:
             raise Unsupported(f"nhwc_tma: {lay['NTH']} threads exceed a block's 1024 ({lay['BCO'] // 64 * lay['WGN']} "
                               "consumer warpgroups and the producer warp)")
-        if lay["SMEM_BYTES"] + lay["STATIC"] > SMEM_LIMIT:
-            raise Unsupported(f"nhwc_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
+        if lay["SMEM_BYTES"] + lay["STATIC"] > device.smem_block:
+            raise Unsupported(f"nhwc_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {device.smem_block}")
         if lay["STAGED"] > lay["RING"]:
             raise Unsupported(f"nhwc_tma: the staged output tile ({lay['STAGED']} bytes) does not fit the ring")
         blocks = tiles.get("min_blocks", 1)
@@ -216,79 +217,40 @@ class NhwcTmaFamily(Family):
         if lay["REGS"] > reg_cap(lay["NTH"], blocks):
             raise Unsupported(f"nhwc_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers exceed "
                               "the SM's 65536 (wgmma's accumulators stay in registers)")
-        if blocks * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
+        if blocks * (lay["SMEM_BYTES"] + 1024) > device.smem_sm:
             raise Unsupported(f"nhwc_tma: {blocks} blocks of {lay['SMEM_BYTES']} bytes of shared memory exceed the SM's")
 
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
         """64 output channels a block where the layer has no more, else 128; 128 pixels in one
         warpgroup along them; the deepest ring (up to 6) that lets two blocks share an SM with three
-        slots or more, else one block's.
+        slots or more, else one block's. Then, each where it fits (measured: docs/selection.md,
+        nhwc_tma):
 
         halo: channels_last, stride 1, 64 output channels and output rows of HALO_MIN_Q pixels or
-        more take halo tiles where they fit (16-bit with the weights resident and three windows,
-        TF32 with its rounding warps and two), a row cut into the fewest tiles that idle the
-        fewest pixels. H100, same process, five rounds, ms (default before / halo; F.conv2d):
-        TF32 64->64 3x3 on 8 x 224 x 224 0.232 / 0.205; 0.167-0.183; on 4 x 256 x 256 0.162 /
-        0.139; 0.123; bf16 the same layers 0.087 / 0.076; 0.101-0.103 and 0.067 / 0.060; 0.078;
-        bf16 32->64 3x3 on 32 x 112 x 112 0.096 / 0.075; 0.076-0.087. Where it did not pay: rows
-        of 56 (TF32 64->64 on 32 x 56 x 56 0.078 / 0.079, bf16 0.050 / 0.055), 128 output
-        channels (TF32 128->128 on 8 x 112 x 112 0.181 / 0.199, bf16 0.078 / 0.088) and NCHW
-        calls (TF32 VGG 0.298 / 0.336).
+        more take halo tiles (16-bit with the weights resident and three windows, TF32 with its
+        rounding warps and two), a row cut into the fewest tiles that idle the fewest pixels. Rows
+        of 56, 128 output channels and NCHW calls gained nothing from them.
 
         16-bit channels_last tiles of 64 output channels walk tiles: with the weights resident in
         two pipelines a block where they fit (64 input channels of a 3x3: 72 KB), else in one deep
-        pipeline, else persistent blocks that load the weights' box with each k-tile. H100, same
-        process, bf16, ms (one block a tile / persistent / resident, two pipelines / resident, one
-        pipeline of 8 slots / resident, 256-pixel tiles; F.conv2d): 64->64 3x3 on 8 x 224 x 224
-        0.140 / 0.123 / 0.115 / 0.122 / 0.129; 0.123-0.136; on 4 x 256 x 256 0.117 / 0.106 / 0.097
-        / 0.099 / 0.099; 0.110-0.115; on 32 x 56 x 56 0.068 / 0.063 / 0.060 / 0.058 / 0.061;
-        0.071-0.078; 32->64 3x3 on 32 x 112 x 112 0.124 / 0.111 / 0.098 / 0.109 / 0.126; 0.082-0.105.
-        An earlier session: persistent blocks on TF32 were even (0.223 / 0.224), and 128-channel
-        tiles, whose staging then leaves room for one block an SM, were even or slower (bf16
-        256->256 3x3 on 32 x 14 x 14 0.049 / 0.054; 128->128 on 28 x 28 0.048 / 0.055), as were NCHW
-        calls (256->256 3x3 on 8 x 56 x 56 TF32 0.146 / 0.172).
+        pipeline, else persistent blocks that load the weights' box with each k-tile.
 
         round_smem: 4 rounding warps for TF32 channels_last tiles of 64 output channels, else the
-        rounded copy. H100, same process, ms (copy / 1, 2, 4 warps): 64->64 3x3 on 8 x 224 x 224
-        0.278 / 0.310, 0.258, 0.227; on 32 x 56 x 56 0.111 / 0.126, 0.114, 0.103; 256->256 3x3 on
-        8 x 56 x 56 (128-channel tiles, where the rounding warps cost the second block an SM or
-        keep pace with twice the MMAs) 0.178 / 0.252, 0.238, 0.199; 512->512 3x3 on 7 x 7 0.112 /
-        0.230, 0.159, 0.135.
+        rounded copy (on 128-channel tiles the rounding warps cost the second block an SM).
 
-        a_regs: TF32 channels_last layers of more than 64 output channels (dispatch.py, item 3,
-        quotes the A/B), persistent, 128 pixels in two warpgroups, or one block a tile of 64 pixels
-        in one where 128-pixel tiles would number fewer than AREG_FEW_TILES. H100, same process,
-        five rounds, ms (persistent 128 / persistent 64 / one block a tile of 64): 512->512 3x3 on 32 x 7 x 7 (52
-        tiles) 0.096 / 0.087 / 0.082; 2048->512 1x1 0.055 / 0.051 / 0.049; 256->256 3x3 on 32 x 14
-        x 14 (98 tiles) 0.059 / 0.079 / 0.079; 512->512 on 16 x 14 x 14 (100) 0.098 / 0.137 / 0.133;
-        one block a tile of 128 pixels lost to walking (64->256 1x1 on 32 x 56 x 56 0.110 / 0.092,
-        three rounds) and wgmma N 256 did not pay (256->1024 1x1 on 14 x 14 0.073 against 0.067).
+        a_regs: TF32 channels_last layers of more than 64 output channels, persistent, 128 pixels
+        in two warpgroups, or one block a tile of 64 pixels in one where 128-pixel tiles would
+        number fewer than half the SMs.
 
         splits: one block a tile of 128 output channels (16-bit channels_last, and NCHW calls)
-        where the layer has fewer than SPLIT_FEW_TILES of them, split in two along an even
+        where the layer has fewer than half the SMs of them, split in two along an even
         reduction of SPLIT_MIN_K_TILES k-tiles or more, so that twice the blocks share the work.
-        H100, same process, stream time of 20 calls, us (one split / 2 / 3 / 4; F.conv2d):
-        512->512 3x3 on 32 x 7 x 7 (52 tiles), bf16 channels_last 34.4 / 23.5 / 26.8 / 22.9; 17.5;
-        NCHW TF32 92.0 / 64.5 / 71.3 / 64.9; 60.7; NCHW bf16 51.1 / 36.8 / 41.5 / 39.3; 38.1;
-        2048->512 1x1 bf16 channels_last 17.2 / 14.7 / - / 15.6; 11.2. Where it did not pay: 98
-        tiles (256->256 3x3 on 32 x 14 x 14, bf16 channels_last 19.5 / 23.4 / 27.4; 17.9, NCHW TF32
-        49.0 / 55.9; 45.6) and TF32 channels_last's a_regs tiles (512->512 on 7 x 7 56.7 unsplit,
-        52.9-75.1 split two to four ways in tiles of 64 or 128 pixels; 36.9).
 
         short_1x1 layers (channels_last 1x1, stride 1, reductions of up to SHORT_1X1_K_TILES
         k-tiles) walk tiles (persist), 16-bit ones of 129-256 output channels in one block of 256:
-        a tile's few k-tiles leave a block of its own mostly waiting on its loads and stores.
-        H100, batch 32, same process, stream time of 20 calls, us (one block a tile of 128
-        channels / walking, 128 / walking, 256 or 64; F.conv2d), bf16: 24->144 on 56 x 56 26.5 /
-        22.8 / 19.1; 16.2; 64->256 32.2 / 27.1 / 25.3; 26.1; 256->1024 on 14 x 14 13.1 / 11.0 /
-        13.3; 9.8; 96->96 on 56 x 56 20.6 / 16.4; 12.2; 128->128 on 28 x 28 6.0 / 6.5; 5.9; 320->1280
-        on 7 x 7 6.3 / 6.1 / 8.2; 5.7; 64->64 (64 channels: resident weights, two pipelines; nhwc
-        before) 10.6 / 6.9; 7.8; 144->24 18.7 / 13.2; 10.3; TF32 (rounding warps) 64->64 27.3 /
-        23.0; 20.0; 144->24 38.9 / 33.0; 30.7. Longer reductions keep one block a tile (512->128
-        on 28 x 28: 10.7 / 12.1; 10.3)."""
-        if problem.arch != "sm_90a":
-            raise Unsupported(f"nhwc_tma: the TMA's im2col mode and wgmma need sm_90a (target {problem.arch or 'unknown'})")
+        a tile's few k-tiles leave a block of its own mostly waiting on its loads and stores."""
+        device = target(problem.device)
         fixed = dict(fixed or {})
         tf32_cl = spec.dtype == "float32" and spec.layout == "nhwc"
         wide_cl = spec.dtype != "float32" and spec.layout == "nhwc"
@@ -308,7 +270,7 @@ class NhwcTmaFamily(Family):
         # TF32 channels_last layers of more than 64 output channels: a_regs tiles that walk, or one
         # block a tile of 64 pixels where 128-pixel tiles would leave over half of an H100's SMs idle
         if tf32_cl and spec.out_channels > 64 and fixed.get("a_regs", 1) == 1:
-            few = -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // bco) < AREG_FEW_TILES
+            few = -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // bco) < device.sms // 2
             walks.append({"a_regs": 1, "round_smem": 0, **({"persist": 0, "block_p": 64} if few else {"persist": 1})})
         # 16-bit channels_last tiles of 64 output channels: resident weights in two pipelines, else
         # in one, else persistent blocks that load the weights' box a k-tile
@@ -322,7 +284,7 @@ class NhwcTmaFamily(Family):
             return ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
 
         tiles = -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // bco)
-        if (bco > 64 and not tf32_cl and tiles < SPLIT_FEW_TILES and k_tiles(spec) >= SPLIT_MIN_K_TILES
+        if (bco > 64 and not tf32_cl and tiles < device.sms // 2 and k_tiles(spec) >= SPLIT_MIN_K_TILES
                 and k_tiles(spec) % 2 == 0 and fixed.get("persist", 0) == 0):
             walks = [{"splits": 2, **walk} for walk in walks]
         bases = [{**base, **walk, **fixed} for walk in walks]
@@ -330,7 +292,7 @@ class NhwcTmaFamily(Family):
             bases = [{**b, "persist": 0, "halo": 0, "wres": 0, "pipes": 1, **fixed} for b in bases]
         if bco == 256 and "block_co" not in fixed:  # where forced tiles leave no room for 256: 128
             bases += [{**b, "block_co": 128} for b in bases]
-        return first_fit(lambda c: self.check_tiles(spec, c), [(b, depths(b)) for b in bases], fixed)
+        return first_fit(lambda c: self.check_tiles(spec, c, device), [(b, depths(b)) for b in bases], fixed)
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         t = dict(spec.tiles)
@@ -352,8 +314,8 @@ class NhwcTmaFamily(Family):
 
 
 nhwc_tma = NhwcTmaFamily(
-    name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"),
-    dtypes=("float32", "float16", "bfloat16"), tf32=True,
+    name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"), archs=("sm_90a",),
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="wgmma", nchw_copy=True,
     tiles={"block_co": (64, 128, 256), "block_p": BLOCK_P, "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
            "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8), "a_regs": (0, 1),

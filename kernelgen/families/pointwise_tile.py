@@ -8,10 +8,10 @@ for case 87 (CUTLASS's s1688gemm_128x128_32x3), where `pointwise`'s persistent b
 tiles. The weights are rounded to TF32 once a call into the workspace, then read through L1
 (cp.async.ca), where they stay from one tile to the next.
 
-Why it exists (H100, case 87, benchmarks/move87.cu and pw87_tile.cu): 87's bytes move in
-4.58-4.62 ms with one block a tile, in 4.63 with the persistent walk, and cuDNN computes 87 in
-4.59-4.63. Computing in this structure cost 3% over its movement while each tile read the
-weights from L2 (.cg); through L1 it costs 0.3%.
+Why it exists: on case 87 the bytes move faster with one block a tile than with the persistent
+walk, and cuDNN computes 87 about as fast as they move; this structure, with the weights read
+through L1, comes within a fraction of a percent of that movement (measured: docs/selection.md,
+pointwise_tile).
 
 It serves groups of one, 1x1 kernels at stride 1 without padding, 1-64 input channels
 (rounded up to whole k-steps of 8 with zeros) and any number of output channels (blocks of
@@ -28,6 +28,7 @@ from ..errors import Unsupported
 from .base import Family, check_dense_1x1
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec
 
 BP = 128      # pixels a tile
@@ -48,13 +49,16 @@ def _layout(spec: "ConvSpec") -> dict[str, int]:
 
 @dataclass(frozen=True)
 class PointwiseTileFamily(Family):
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         check_dense_1x1(self.name, spec)
         if spec.math != "tf32":
             raise Unsupported("pointwise_tile computes in TF32 (strict float32 needs 3xTF32, which wgmma runs)")
         if spec.in_channels > MAX_CIN:
             raise Unsupported(f"pointwise_tile holds at most {MAX_CIN} input channels in one stage "
                               f"(got {spec.in_channels})")
+        if _layout(spec)["SMEM_BYTES"] > device.smem_block:
+            raise Unsupported(f"pointwise_tile: {_layout(spec)['SMEM_BYTES']} bytes of shared memory exceed "
+                              f"{device.smem_block} on {device.name}")
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         lay = _layout(spec)
@@ -63,7 +67,7 @@ class PointwiseTileFamily(Family):
 
 pointwise_tile = PointwiseTileFamily(
     name="pointwise_tile", device="cuda", template="cuda/pointwise_tile.cu.j2", layouts=("nchw",),
-    dtypes=("float32",), tf32=True,
+    dtypes=("float32",), tf32=True, engine="mma",
 )
 
 FAMILIES = (pointwise_tile,)

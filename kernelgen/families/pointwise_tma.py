@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, check_dense_1x1, element_size, first_fit
+from .base import Family, check_dense_1x1, element_size, first_fit, target
 from .nhwc_tma import k_tiles, reg_cap  # (a 1x1's k-tiles: 128 bytes of channels each)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 WRES_MAX = 64 * 1024  # resident weights up to this many bytes (the rest of shared memory is the ring)
@@ -60,25 +61,25 @@ class PointwiseTmaFamily(Family):
                 # fragments, addresses, the epilogue
                 "REGS": bco // 2 + 76}
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         check_dense_1x1(self.name, spec)
         if spec.dtype == "float32" and spec.math == "ieee":
             raise Unsupported("pointwise_tma: strict float32 needs 3xTF32, which wgmma and nhwc run (wgmma would "
                               "truncate)")
-        self.check_tiles(spec, dict(spec.tiles))
+        self.check_tiles(spec, dict(spec.tiles), device)
 
-    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int], device: "Device") -> None:
         lay = self.layout(spec, tiles)
         if tiles.get("wres", 0) and spec.out_channels > lay["BCO"]:
             raise Unsupported(f"pointwise_tma: resident weights (wres) hold one block of output channels "
                               f"({lay['BCO']}), the layer has {spec.out_channels}")
-        if lay["SMEM_BYTES"] + lay["STATIC"] > SMEM_LIMIT:
-            raise Unsupported(f"pointwise_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT}")
+        if lay["SMEM_BYTES"] + lay["STATIC"] > device.smem_block:
+            raise Unsupported(f"pointwise_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {device.smem_block}")
         blocks = tiles.get("min_blocks", 1)
         if lay["REGS"] > reg_cap(lay["NTH"], blocks):
             raise Unsupported(f"pointwise_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers "
                               "exceed the SM's 65536 (wgmma's accumulators stay in registers)")
-        if blocks * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
+        if blocks * (lay["SMEM_BYTES"] + 1024) > device.smem_sm:
             raise Unsupported(f"pointwise_tma: {blocks} blocks of {lay['SMEM_BYTES']} bytes of shared memory exceed "
                               "the SM's")
 
@@ -88,8 +89,7 @@ class PointwiseTmaFamily(Family):
         warpgroups); the weights resident where they fit WRES_MAX and the layer has one block of
         output channels; the deepest ring (up to 8) with one block an SM, or two blocks with three
         slots or more."""
-        if problem.arch != "sm_90a":
-            raise Unsupported(f"pointwise_tma: wgmma and the TMA need sm_90a (target {problem.arch or 'unknown'})")
+        device = target(problem.device)
         if not plane_fits(spec, problem.H * problem.W):
             raise Unsupported(f"pointwise_tma: planes of {problem.H} x {problem.W} pixels are not whole 16-byte "
                               "chunks, which the TMA's strides need")
@@ -98,7 +98,7 @@ class PointwiseTmaFamily(Family):
         wres = int(spec.out_channels <= bco and k_tiles(spec) * bco * 128 <= WRES_MAX)
         base = {"block_co": bco, "block_p": 128, "wres": wres, **fixed}
         depths = ((1, 8), (1, 7), (1, 6), (2, 4), (2, 3), (1, 5), (1, 4), (1, 3), (1, 2))
-        return first_fit(lambda c: self.check_tiles(spec, c), [(base, depths)], fixed)
+        return first_fit(lambda c: self.check_tiles(spec, c, device), [(base, depths)], fixed)
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         t = dict(spec.tiles)
@@ -110,8 +110,8 @@ class PointwiseTmaFamily(Family):
 
 
 pointwise_tma = PointwiseTmaFamily(
-    name="pointwise_tma", device="cuda", template="cuda/pointwise_tma.cu.j2", layouts=("nchw",),
-    dtypes=("float32", "float16", "bfloat16"), tf32=True, aligned_input=True,
+    name="pointwise_tma", device="cuda", template="cuda/pointwise_tma.cu.j2", layouts=("nchw",), archs=("sm_90a",),
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, aligned_input=True, engine="wgmma",
     tiles={"block_co": (128, 64, 256), "block_p": (128, 64, 192), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "wres": (0, 1)},
 )

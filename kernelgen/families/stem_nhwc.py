@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, element_size
+from .base import Family, element_size, target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 # It serves layers of at most this many input channels: the block stages all of a pixel's
@@ -134,23 +135,23 @@ class StemNhwcFamily(Family):
                 "ORDER": order, "SROW": srow,
                 "SMEM_BYTES": smem + (-smem % 16), "NTH": 32 * wm * wn, "REGS": regs}
 
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         _check_channels(spec)
         if spec.out_channels * _kpad(spec) >= 1 << 31:
             raise Unsupported("stem_nhwc: the repacked weight exceeds 2^31 elements")
-        self.check_tiles(spec, dict(spec.tiles))
+        self.check_tiles(spec, dict(spec.tiles), device)
 
-    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int]) -> None:
+    def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int], device: "Device") -> None:
         bm, bn = tiles["block_p"] * tiles["block_q"], tiles["block_n"]
         if bm % (16 * tiles["warps_m"]) or (bn // tiles["warps_n"]) % 16 or bn % tiles["warps_n"]:
             raise Unsupported(f"stem_nhwc: {bm} pixels x {bn} channels do not split into whole 16 x 16 warp tiles "
                               f"over {tiles['warps_m']} x {tiles['warps_n']} warps")
         lay = self.layout(spec, tiles)
-        if lay["SMEM_BYTES"] > SMEM_LIMIT:
-            raise Unsupported(f"stem_nhwc: {lay['SMEM_BYTES']} bytes of shared memory exceed {SMEM_LIMIT} "
+        if lay["SMEM_BYTES"] > device.smem_block:
+            raise Unsupported(f"stem_nhwc: {lay['SMEM_BYTES']} bytes of shared memory exceed {device.smem_block} "
                               "(fewer output channels or rows a block)")
         blocks = tiles["min_blocks"]
-        if lay["REGS"] * lay["NTH"] * blocks > 65536 or (lay["SMEM_BYTES"] + 1024) * blocks > SM_SMEM:
+        if lay["REGS"] * lay["NTH"] * blocks > device.regs_sm or (lay["SMEM_BYTES"] + 1024) * blocks > device.smem_sm:
             raise Unsupported(f"stem_nhwc: {blocks} blocks of {lay['NTH']} threads (~{lay['REGS']} registers, "
                               f"{lay['SMEM_BYTES']} bytes of shared memory) do not fit an SM")
 
@@ -161,18 +162,10 @@ class StemNhwcFamily(Family):
         than taller blocks need; 112 = 7 x 16); every output channel up to 64 a block (32 where
         there are no more); 4 x 1 warps (each warp 32 pixels against all the block's channels),
         strict float32 4 x 2 (2 x 2 at 32 channels: its fragments' halves double the registers);
-        two blocks an SM where they fit, else one.
-
-        H100, channels_last, same process, three rounds, ms (default / 2 x 2 warps / 4 x 2 /
-        F.conv2d): ResNet's 3->64 7x7 stride 2 on 32 x 224 x 224 TF32 0.147 / 0.153 / 0.141 /
-        0.247, bf16 0.131 / 0.134 / 0.154 / 0.276, strict (4 x 2) 0.286 / 0.316 / 0.426;
-        MobileNetV2's 3->32 3x3 stride 2 TF32 0.075 / 0.078 / - / 0.075, bf16 0.052 / 0.074 / - /
-        0.078, strict (2 x 2) 0.101-0.112 against 4 x 1's 0.112-0.201; 3->64 3x3 on 16 x 224 x 224
-        TF32 0.137 / 0.135 / 0.147 / 0.145, strict 0.183 / 0.196 / 0.183 / 0.263. Rows of 32 and 64
-        columns lost on all three (TF32 7x7 0.170 and 0.166 against 16's 0.145), as did 16 x 16
-        tiles of 256 pixels on the 3x3s (TF32 0.177 against 0.135), and three or four blocks an SM.
+        two blocks an SM where they fit, else one (measured: docs/selection.md, stem_nhwc).
         """
-        _check_channels(spec)  # (before any layout: the dispatcher asks every channels_last call)
+        device = target(problem.device)
+        _check_channels(spec)  # (before any layout: the selector asks every channels_last call)
         fixed = dict(fixed or {})
         strict = spec.dtype == "float32" and spec.math == "ieee"
         q = max(problem.Q, 1)
@@ -183,7 +176,7 @@ class StemNhwcFamily(Family):
         reasons = []
         for blocks in ((fixed["min_blocks"],) if "min_blocks" in fixed else (2, 1)):
             try:
-                self.check_tiles(spec, {**cand, "min_blocks": blocks})
+                self.check_tiles(spec, {**cand, "min_blocks": blocks}, device)
             except Unsupported as exc:
                 reasons.append(str(exc))
                 continue
@@ -200,7 +193,7 @@ class StemNhwcFamily(Family):
 
 stem_nhwc = StemNhwcFamily(
     name="stem_nhwc", device="cuda", template="cuda/stem_nhwc.cu.j2", layouts=("nhwc",),
-    dtypes=("float32", "float16", "bfloat16"), tf32=True,
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma",
     tiles={"block_p": (4, 1, 2, 8, 16), "block_q": (32, 8, 16, 64, 128), "block_n": (64, 32, 128),
            "warps_m": (2, 1, 4), "warps_n": (2, 1, 4), "min_blocks": (2, 1, 3, 4)},
 )

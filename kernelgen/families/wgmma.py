@@ -32,8 +32,8 @@ under the other's epilogue. Where a consumer's accumulators outgrow the launch's
 of registers (1 x 256 tiles), the producer gives some back (setmaxnreg). One-row tiles of one
 stage (16-bit, and TF32 with its weights in the consumers' registers) also build a kernel that
 writes whole 128-byte lines: the launch deals blocks whole output rows, and each channel's row
-carries its unfinished last line from one tile to the next (case 63 bf16 on the H100: 2.84-2.88
-ms against 3.11-3.15). A tuner may give a consumer two sets of accumulators (tile `acc2=1`), so
+carries its unfinished last line from one tile to the next (measured: docs/selection.md,
+wgmma). A tuner may give a consumer two sets of accumulators (tile `acc2=1`), so
 that its next tile's MMAs run under this tile's epilogue.
 
 Layout constants come from `layout()`, the one place `check_tiles` and the template take
@@ -46,9 +46,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import SM_SMEM, SMEM_LIMIT, Family, no_fit, staged_row
+from .base import Family, no_fit, staged_row, target
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
     from ..spec import ConvSpec, Problem
 
 # Registers a thread may need: accumulators + staged input rows + this much for addresses (the
@@ -67,16 +68,13 @@ STRIP_REGS = 16
 MAX_REGS = 255
 REG_FILE = 65536  # 32-bit registers per SM
 # 3xTF32 over a reduction longer than this sums each stage apart (FLUSH): wgmma accumulates by
-# truncation, up to 2^-23 of the running sum lost per wgmma, three wgmmas per k-step of 8. H100,
-# case 56 (2240-long) with every operand positive: 2.5e-5 relative error in one accumulator,
-# 4.3e-7 summed a stage at a time. 256 is 96 truncations, a few 1e-6 at most.
+# truncation, up to 2^-23 of the running sum lost per wgmma, three wgmmas per k-step of 8; 256 is
+# 96 truncations, a few 1e-6 at most (measured: docs/selection.md, wgmma).
 FLUSH_K = 256
 # float32 reductions from this long (TF32, strict) up to 512 that do not fit one stage try a
-# producer warpgroup first (default_tiles). H100: 3xTF32 lost with one at 216 (24->128 3x3, 16 x
-# 256 x 256: 1.04 ms against 0.88 without) and won from 288 up; TF32 won from 216 (0.64 against
-# 0.70) and 240 (16->128 5x3: 0.99 against 1.30).
+# producer warpgroup first (default_tiles): where it began to win (TF32 from 216; 3xTF32 lost at
+# 216 and won from 288; measured: docs/selection.md, wgmma).
 SHORT_WS_K = {"tf32": 216, "ieee": 256}
-ARCHS = ("sm_90a",)
 # strip=1: blocks of a band keep pace through a progress counter each, after the packed weights
 # in the workspace; a grid of more blocks runs unpaced.
 MAXPROG = 1024
@@ -163,7 +161,7 @@ class WgmmaFamily(Family):
             # case 63: 64 group registers and 26 offsets; 112 registers spilled 80 bytes, 128
             # none), which leaves the consumers their 184. Elsewhere the estimate stays the larger
             # one it was measured with: it also decides which tiles fit, and the smaller one let
-            # 24->128 3x1 TF32 take the producer, 1.31 ms against 0.66 without (H100).
+            # 24->128 3x1 TF32 take the producer, which lost (measured: docs/selection.md, wgmma).
             lxr = 1 if strip else xr  # input rows a load covers
             xg = _ceil(nch * lxr * _ceil(xq, cpv), ntp)
             rows = 0 if xasync else 8 * xpt
@@ -174,12 +172,9 @@ class WgmmaFamily(Family):
             else:
                 prod = max(4 * cpv * xg, rows) + beside
             share = REG_FILE // nth // 8 * 8
-            # Two sets, measured (H100): 16-bit one-stage tiles gain (63 bf16 3.14-3.18 ms against
-            # 3.27-3.29), float32 ones lose (63 TF32 6.9-7.0 against 4.7); float32 one-row tiles
-            # over several stages gain (56 TF32 1.82-1.83 against 1.93-1.96, 3xTF32 even), two-row
-            # ones lose a little (TF32 2x128 tiles, 64->128 3x3 on 512x512: 2.22 against 2.17;
-            # 32->128 5x5 on 256x512: 1.25 against 1.15-1.18), and 16-bit there loses (56 bf16
-            # 1.16-1.18 against 1.06, its producer short of registers).
+            # Two sets where they gained (measured: docs/selection.md, wgmma): 16-bit one-stage
+            # tiles and float32 one-row tiles over several stages; not float32 one-stage tiles,
+            # float32 two-row tiles, or 16-bit over several stages (its producer short of registers).
             two = 8 * cpv * xg + GROUP_REGS + (0 if wres else STAGE_REGS) + (STRIP_REGS if strip else 0)
             if two <= share and ((cpv == 8 or strip) if wres else (xasync and tp == 1)):
                 xsets = 2
@@ -216,15 +211,15 @@ class WgmmaFamily(Family):
         return {k: v for k, v in lay.items() if k != "REGS"}
 
     # -- what can be served --------------------------------------------------------
-    def check_shape(self, spec: "ConvSpec") -> None:
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
         if spec.stride[1] != 1:
             raise Unsupported(f"wgmma needs a column stride of 1 (got stride {spec.stride}); use igemm")
         if spec.out_channels * spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1] >= 2**31:
             raise Unsupported("weights with 2^31 or more elements")
         if spec.tiles:
-            self.check_tiles(spec, dict(spec.tiles))
+            self.check_tiles(spec, dict(spec.tiles), device)
 
-    def check_tiles(self, spec: "ConvSpec", t: Mapping[str, int]) -> None:
+    def check_tiles(self, spec: "ConvSpec", t: Mapping[str, int], device: "Device") -> None:
         """Raise Unsupported if tiles `t` cannot compute `spec` (shared memory, registers)."""
         lay = self.layout(spec, t)
         cpv = lay["CPV"]
@@ -262,10 +257,10 @@ class WgmmaFamily(Family):
                               f"per thread")
         if lay["XR"] * lay["XQ"] * 16 >= 1 << 18:
             raise Unsupported("the input halo is too large for a wgmma descriptor offset")
-        if lay["SMEM_BYTES"] > SMEM_LIMIT:
-            raise Unsupported(f"tiles need {lay['SMEM_BYTES']} bytes of shared memory (> {SMEM_LIMIT}); "
+        if lay["SMEM_BYTES"] > device.smem_block:
+            raise Unsupported(f"tiles need {lay['SMEM_BYTES']} bytes of shared memory (> {device.smem_block}); "
                               f"shrink block_k, nbuf or the pixel tile")
-        if t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) > SM_SMEM:
+        if t["min_blocks"] * (lay["SMEM_BYTES"] + 1024) > device.smem_sm:
             raise Unsupported(f"min_blocks={t['min_blocks']} blocks of {lay['SMEM_BYTES']} bytes of shared "
                               f"memory do not fit one SM")
         if lay["REGS"] > MAX_REGS or (not lay["CREGS"] and t["min_blocks"] * lay["NTH"] * lay["REGS"] > REG_FILE):
@@ -275,7 +270,7 @@ class WgmmaFamily(Family):
     # -- heuristics -------------------------------------------------------------------
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
-        """Tiles for a problem shape.
+        """Tiles for a problem shape (measured: docs/selection.md, wgmma).
 
         - Only on sm_90a (wgmma is Hopper's); elsewhere this family declines.
         - block_m: 128 (two warpgroups sharing every staged input row) above 64 output
@@ -286,106 +281,59 @@ class WgmmaFamily(Family):
           cases) in 4 or 3 ring slots; else two k-steps of channels (16 float32 / 32 bf16)
           per stage in 3 slots; else one k-step (8 / 16) in 4 or 3 slots. Each with all
           kernel rows if they fit, else one kernel row per stage (5x7 weights for 16
-          float32 channels are 286 KB). Case 56 (H100): two k-steps in 3 slots ran TF32
-          2.72 ms and bf16 1.36 against 3.08 and 1.57 with one k-step in 4 slots.
+          float32 channels are 286 KB).
         - tile_p x tile_q: long reductions first try 1 x 256 (one m64n256 wgmma per weight
           k-step) where 256-column tiles waste no more of a row than 128-column ones; then 2
           output rows (256 pixels: each staged weight feeds twice the MMAs), else 1.
         - stage_out: the staged epilogue first for short reductions (memory-bound), last for
-          long ones; async_x=1 (cp.async input) for float32: case 56 TF32 2.31 ms against
-          2.89 register-staged (H100).
+          long ones; async_x=1 (cp.async input) for float32.
         - ws (warp specialisation): first for short reductions held in one stage, with
           1-row tiles and the deepest ring that fits (6 slots down to 3): a producer
           warpgroup stages the input while the two consumer warpgroups' MMAs and stores run
-          half a tile apart. Case 63 (H100): TF32 6.58 ms against 6.93 (5.73-5.91 once the
-          producer loads float32 rows 16 bytes at a time), bf16 3.39 against 3.91 (2-row
-          tiles, no producer); bf16 with 64-column tiles 7.1-9.2 ms. Long reductions try
-          it first too, in the same shapes as without: the producer also starts each
-          stage's weight copy and runs up to two stages ahead, with no block-wide barrier
-          (a 1 x 256 tile's 128 accumulators a consumer thread take the producer's spare
-          registers, setmaxnreg). Case 56 (H100): TF32 1.94-2.00 ms against 2.28-2.41, bf16
-          1.10-1.11 against 1.31-1.35. There the staged epilogue comes first where it can
-          stage in the ring (RSTAGE: each consumer warpgroup in the slot of one of the
-          tile's last stages): 56 TF32 1.94-1.95 against 1.96-1.98 stored from the
-          fragments, bf16 1.04-1.05 against 1.09-1.11.
+          half a tile apart. Long reductions try it first too, in the same shapes as
+          without: the producer also starts each stage's weight copy and runs up to two
+          stages ahead, with no block-wide barrier (a 1 x 256 tile's 128 accumulators a
+          consumer thread take the producer's spare registers, setmaxnreg). There the staged
+          epilogue comes first where it can stage in the ring (RSTAGE: each consumer
+          warpgroup in the slot of one of the tile's last stages).
         - float32 reductions of SHORT_WS_K (TF32 216, strict 256) to 511 that do not fit one
           stage (24-56 channels 3x3, 8 channels 7x7, 16 channels 5x5 or 5x3) take the producer
           too, over several stages a tile: two-row tiles first, but one-row ones for 128 output
           channels whose stages hold two k-steps or more and whose input rows take 4-byte
-          copies (a padding or width that is not a multiple of 4). With one k-step a stage
-          (8-16 channels) two-row tiles won there too: 16->128 5x5 TF32 1.14 against 1.44,
-          8->128 7x7 0.99 against 1.12-1.17, 16->128 5x3 (TF32 from 216) 0.99 against 1.28 and
-          1.30 without the producer (F.conv2d 1.05).
-          H100, same process (ms, kernelgen with / without the producer, F.conv2d), padding 1:
-          TF32 32->128 3x3 on 8 x 512 x 512 1.15 / 1.38 / 1.22 (two-row tiles 1.30), 32->64
-          0.63 / 1.12 / 0.99, 48->128 1.67 / 1.86 / 1.66, 16->128 5x5 1.15 (one-row tiles 1.42)
-          / 1.48-1.55 / 1.33-1.36, 32->256 on 256 x 256 0.59 / 0.69 / 0.85, 32->128 on 32 x 224 x 224 1.06 / 1.29 /
-          0.95; padding 0 (16-byte input groups), two-row / one-row tiles: 32->128 1.14 / 1.38,
-          48->128 1.56 / 1.94, 56->128 on 256 x 512 1.10 / 1.35, 32->128 on 224 x 224 1.01 /
-          1.26, 32->256 0.62 / 0.73 (F.conv2d 1.22, 1.64, 1.08, 0.96, 0.94); 3xTF32 25-40%
-          faster on all of them (32->128 3x3 1.79 against 2.55-2.58). At 216 (24->128 3x3, 16 x
-          256 x 256) 3xTF32 lost with it (1.04 against 0.88), hence the threshold. 16-bit keeps
-          its order (one stage without a producer where it fits: 48->128 3x3 bf16 1.17 against
-          1.45 under a producer).
+          copies (a padding or width that is not a multiple of 4). 16-bit keeps its order (one
+          stage without a producer where it fits).
         - Strict float32 (3xTF32) takes the same order; its operand pairs fill shared memory
           twice as fast, and its per-stage partial sums double a long reduction's
           accumulators (no 1 x 256 or 2 x 128 tiles there). Short reductions (one stage a
           tile) first keep the small weights in the consumers' registers (a_regs=1), then try
-          64-column producer tiles, staged and then stored from the fragments. H100 (ms,
-          kernelgen / 3xTF32 on mma.sync, igemm or pointwise): case 56 4.41 (1 x 128, 40
-          stages a tile, ring-staged) / 15.56; case 63 7.03 (a_regs, 1 x 64, staged) / 13.90,
-          against 8.23-9.72 with both halves resident (147 KB: fragment stores) and 9.28 for
-          a_regs on 1 x 128 (no room for staging); case 87 5.46 (a_regs, 1 x 64, staged) /
-          6.47, against 5.42-5.51 with both halves resident and 5.54 for 1 x 128 in two
-          stages.
+          64-column producer tiles, staged and then stored from the fragments.
         - TF32 keeps its weights in shared memory by default. A tuner may force a_regs=1 on
           one-stage tiles: all weights in the consumers' registers as wgmma A fragments (4
           registers a k-step), which frees their shared memory for the whole-line epilogue's
-          longer staging rows (LINES). H100, same process (ms, a_regs=1 in 4 slots / the
-          default): 16->128 3x3 on 16 x 1024 x 1024 (case 63) 4.64-4.74 / 4.74-4.77, with
-          padding 1 4.21-4.23 / 4.28, on a 1018-wide input 4.23-4.37 / 4.76-4.78; but
-          16->64 3x3 on 8 x 512 x 512 (padding 1) 0.461 / 0.429 and 32->128 3x1 1.035 /
-          0.830. In 5 slots case 63 ran 4.90-5.02.
+          longer staging rows (LINES); it paid on case 63, not on smaller layers.
         - strip (TF32 reductions under SHORT_WS_K, a kernel taller than its row stride): first, in the
           deepest ring of input rows that fits (10 slots down to 3, more than a tile's rows: the
           producer hands a row over once the next one's copies are in a free slot): blocks walk down
           128-column strips of a band of rows and each tile loads only its new input rows (one
           at stride 1, not its whole halo), so the producer keeps up and looks further ahead.
           Where output rows do not start on 32-byte sectors the band's blocks keep pace
-          (strip_pace in the template). H100, same process (ms, strip / row order): case 63
-          4.39-4.44 / 4.74-4.77, with padding 1 3.80-3.86 / 4.12-4.21, on a 1018-wide input
-          4.37 / 4.64; 16->64 3x3 on 8 x 512 x 512 (padding 1) 0.336-0.360 / 0.441-0.446;
-          32->128 3x1 0.547-0.571 / 0.820-0.864; 8->128 3x3 0.462 / 0.495; 8->64 3x3 on 16 x
-          512 x 512 0.494-0.498 / 0.493-0.508. Only narrow rows that do not start on sectors
-          lost (16->64 3x3 on 8 x 512 x 511, padding 1, paced: 0.489-0.503 / 0.457-0.469), so
+          (strip_pace in the template). Only narrow rows that do not start on sectors lost, so
           those keep row order unless a row is 8 strips or more.
         - acc2: a consumer keeps two sets of accumulators and issues its next tile's MMAs before
           it stores this one (and, on paced strips, before it waits for its band). By default only
           for 3xTF32 with its weights in registers (a_regs=1), 128 output channels a block, 64-column
           tiles of rows wider than 64 and a kernel of several taps: there a tile's three-fold MMAs
-          run under the epilogue of the tile before it. H100, same process (ms, acc2=1 / default, two to
-          four rounds): case 63 6.82-6.84 / 7.12-7.13, with padding 1 6.16 / 6.49; on 8 x 512 x 512,
-          padding 1: 16->128 3x3 0.818-0.857 / 0.882-0.891, 12->128 3x3 0.826-0.842 / 0.857-0.867,
-          16->96 3x3 0.832-0.840 / 0.851-0.867, 16->256 3x3 1.536-1.539 / 1.577-1.620; 24->128 3x1
-          0.643-0.702 / 0.693-0.750, 48->128 1x3 0.971-0.973 / 0.961-0.992 (even); 16->128 3x3 on
-          8 x 1000 x 1000 3.305-3.306 / 3.417-3.425; 16->192 3x3 on 32 x 256 x 256 1.535-1.564 /
-          1.625-1.632. Outside that rule it lost: 3xTF32 16->64 3x3 on 8 x 512 x 512 (64 channels,
-          128-column tiles) 0.682 / 0.543, 4->128 1x3 (128-column tiles) 0.633-0.635 / 0.579-0.581,
-          case 87 (one tap) 5.44 / 5.33; TF32 case 63 4.25-4.65 / 4.30-4.40 (noise either way),
-          with padding 1 3.84 / 3.79, 16->128 3x3 on 8 x 1000 x 1000 2.10-2.26 / 2.22-2.29; bf16
-          case 63 2.97 / 2.85, with padding 1 3.14 / 2.75.
+          run under the epilogue of the tile before it; outside that rule it lost.
           The loop keeps each set in fixed registers by taking two tiles a turn, which doubles the
-          epilogue's code (63 bf16's whole-line kernel: 9,472 SASS instructions against 5,056),
-          and the second set costs the producer registers. A tuner may force it anywhere it fits.
-        - overlap: never by default. It stages all of a tile's rows and stores them under the
-          next tile's MMAs; on the H100 case 63 TF32 measured even (7.00 against 6.97 ms) and
-          bf16 slower (5.7 against 3.9-4.9 ms). A tuner may force it (one stage per tile and
-          stage_out=1 only).
+          epilogue's code, and the second set costs the producer registers. A tuner may force it
+          anywhere it fits.
+        - overlap: never by default (even or slower on case 63). It stages all of a tile's rows
+          and stores them under the next tile's MMAs. A tuner may force it (one stage per tile
+          and stage_out=1 only).
         The first candidate that passes check_tiles wins.
         """
-        if problem.arch not in ARCHS:
-            raise Unsupported(f"wgmma needs {' or '.join(ARCHS)} (target {problem.arch or 'unknown'})")
-        if spec.dtype not in self.dtypes:  # the dispatcher asks for tiles before the family's check
+        device = target(problem.device)
+        if spec.dtype not in self.dtypes:  # the selector asks for tiles before the family's check
             raise Unsupported(f"wgmma does not serve dtype {spec.dtype}")
         cpv = 4 if spec.dtype == "float32" else 8
         kstep = 2 * cpv
@@ -397,15 +345,13 @@ class WgmmaFamily(Family):
         reductions = [(full_ck, 1, (4, 3))]
         reductions += [(2 * kstep, full, (3,)) for full in (1, 0) if 2 * kstep < full_ck]
         reductions += [(kstep, full, (4, 3)) for full in (1, 0) if kstep < full_ck or full == 0]
-        # Short reductions are memory-bound: the staged epilogue first, whatever the rest costs
-        # (63 TF32 7.3 ms staged in 1x128 tiles against 10.5 unstaged in 2x128; bf16 4.6 against
-        # 8.0). Long ones are compute-bound and keep their ring slots (56 TF32 2.31 unstaged
-        # against 2.76 staged with half the channels per stage).
+        # Short reductions are memory-bound: the staged epilogue first, whatever the rest costs.
+        # Long ones are compute-bound and keep their ring slots (measured: docs/selection.md, wgmma).
         k_total = spec.cin_per_group * spec.kernel_size[0] * spec.kernel_size[1]
         # Pixel tiles (rows, columns). Compute-bound ones try a whole 256-column row first where
         # rows are wide enough that 256-column tiles waste no more of a row than 128-column ones:
-        # one m64n256 wgmma reads a stage's weights once for 256 pixels, not twice. Case 56
-        # (250-wide rows, H100): TF32 2.31-2.46 ms against 2.56, bf16 1.32-1.33 against 1.35-1.38.
+        # one m64n256 wgmma reads a stage's weights once for 256 pixels, not twice (measured on
+        # case 56: docs/selection.md, wgmma).
         pixels = [(2, tq), (1, tq)]
         if k_total >= 512 and problem.Q > 128 and _ceil(problem.Q, 256) * 256 <= _ceil(problem.Q, 128) * 128:
             pixels.insert(0, (1, 256))
@@ -430,9 +376,8 @@ class WgmmaFamily(Family):
                 # reductions; one-row tiles first only where two consumer warpgroups share a tile,
                 # a stage holds two k-steps or more, and the input rows do not start and end on 16
                 # bytes (the producer's 4-byte copies, two stages in flight). Every reduction's
-                # preferred tile shape comes before any reduction's other one (16->128 3x5 TF32:
-                # two-row tiles over one kernel row a stage 0.734 ms, one-row tiles over all
-                # three, which the reduction-major order took, 0.852).
+                # preferred tile shape comes before any reduction's other one (measured on 16->128
+                # 3x5 TF32: docs/selection.md, wgmma).
                 xgroup = spec.padding[1] % cpv == 0 and problem.W % cpv == 0  # the launch's pr.xgroup
                 pref = {r: pixels if bm == 64 or xgroup or r[0] <= kstep else pixels[::-1] for r in reductions}
                 order += [(so, 1, r, *pref[r][i], nb, 0, 0) for so in (1, 0) for i in (0, 1) for r in reductions
@@ -450,7 +395,7 @@ class WgmmaFamily(Family):
                     "min_blocks": 1, "stage_out": stage, "async_x": int(spec.dtype == "float32"),
                     "overlap": 0, "ws": ws, "a_regs": areg, "strip": strip, **(fixed or {})}
             try:
-                self.check_tiles(spec, cand)
+                self.check_tiles(spec, cand, device)
             except Unsupported as exc:
                 reasons.append(str(exc))
                 continue
@@ -462,7 +407,7 @@ class WgmmaFamily(Family):
                 # 3xTF32 with its weights in registers, 128 channels over 64-column tiles of a kernel
                 # of several taps: the same tile with two accumulator sets, where they fit.
                 try:
-                    self.check_tiles(spec, {**cand, "acc2": 1})
+                    self.check_tiles(spec, {**cand, "acc2": 1}, device)
                     return {**cand, "acc2": 1}
                 except Unsupported:
                     pass
@@ -471,8 +416,8 @@ class WgmmaFamily(Family):
 
 
 wgmma = WgmmaFamily(
-    name="wgmma", template="cuda/wgmma.cu.j2", device="cuda", layouts=("nchw",),
-    dtypes=("float32", "float16", "bfloat16"), tf32=True,
+    name="wgmma", template="cuda/wgmma.cu.j2", device="cuda", layouts=("nchw",), archs=("sm_90a",),
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="wgmma", row_tile=64,
     tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
            "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": tuple(range(3, 17)),
            "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1), "ws": (0, 1),

@@ -1,0 +1,50 @@
+"""The selector's estimate of a kernel's time where no measured layer is near: bytes and FLOPs.
+
+    time = launch + mem * bytes / bandwidth + math * flops / rate * waves
+
+`bytes`: what the family moves through DRAM (Family.traffic: input, weights and output once, and
+the passes it adds, such as an NCHW input's transpose); `flops`: the multiply-adds it computes,
+its tiles' padding included (Family.work), three times over for strict float32 on tensor cores
+(3xTF32); `rate` and `bandwidth`: the GPU's
+(kernelgen.device); `waves`: the last wave of tiles over the SMs rounded up. The coefficients
+(launch seconds, mem, math) are fitted per family from measurements (a table's `model`, written by
+benchmarks/make_table.py); without one a family takes its unit's prior below.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .families import get_family
+from .families.base import target
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .spec import ConvSpec, Problem
+
+# Priors (launch seconds, mem, math) by the unit a family computes on: a kernel moves its bytes at
+# best at the copy's rate and computes at a fraction of the unit's peak (PERF.md: mma.sync near
+# 60%, wgmma beyond; scalar loops far under the FMA peak).
+PRIORS = {"wgmma": (4e-6, 1.2, 1.4), "mma": (4e-6, 1.3, 1.8), "fma": (3e-6, 1.2, 2.0), "direct": (3e-6, 2.0, 8.0)}
+
+
+def estimate(spec: "ConvSpec", problem: "Problem", model=None) -> float:
+    """Seconds `spec` should take on `problem` (its GPU's facts, or a nominal H100's)."""
+    from . import table
+
+    device = target(problem.device)
+    fam = get_family(spec.family)
+    unit = fam.unit(spec)
+    tbl = table.for_device(device) if model is None else None
+    launch, mem, math_ = (model or (tbl.model if tbl else {})).get(spec.family, PRIORS[fam.cost_class(spec)])
+    if unit == "fma":
+        rate = device.peak_flops("fma")
+    else:
+        rate = device.peak_flops("f16" if spec.dtype in ("float16", "bfloat16") else "tf32")
+        if spec.dtype == "float32" and spec.math == "ieee":
+            rate /= 3.0  # 3xTF32: three products a multiply-add
+    if spec.dtype == "float64":
+        rate = device.peak_flops("fma") / 32.0
+    tiles = fam.tiles_of(spec, problem)
+    slots = device.sms * 2
+    waves = -(-tiles // slots) * slots / tiles if tiles else 1.0
+    return launch + mem * fam.traffic(spec, problem) / device.dram_bytes_s + math_ * fam.work(spec, problem) / rate * waves
