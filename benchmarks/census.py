@@ -571,6 +571,37 @@ def run(sample: list[Layer], cells: list[str], args) -> int:
     return 1 if any("error" in r or not r["accurate"] for r in rows) else 0
 
 
+def compare(paths: list[str]) -> list[str]:
+    """A table of several runs' JSON (before and after a change, on one card): per cell, over the
+    layers every run that measured the cell has, each run's geometric mean of the stream speedups
+    and share of layers at 0.95x or better, untuned, and tuned over the layers it tuned."""
+    runs = [{(r["name"], r["cell"]): r for r in json.loads(Path(p).read_text())["rows"] if "speedup" in r}
+            for p in paths]
+    out = ["| cell | layers | " + " | ".join(Path(p).stem for p in paths) + " |", "|---|---|" + "---|" * len(paths)]
+    for cell in CELLS:
+        having = [rs for rs in runs if any(k[1] == cell for k in rs)]
+        if not having:
+            continue
+        common = set.intersection(*[{k for k in rs if k[1] == cell} for rs in having])
+        if not common:
+            continue
+        cols = []
+        for rs in runs:
+            if not any(k[1] == cell for k in rs):
+                cols.append("-")
+                continue
+            text = ""
+            for label, field in (("", "speedup"), ("tuned ", "tuned_speedup")):
+                vals = [rs[k][field] for k in common if field in rs[k]]
+                if vals:
+                    share = sum(v >= 0.95 for v in vals) / len(vals)
+                    part = "" if len(vals) == len(common) else f" ({len(vals)} layers)"
+                    text += f"{'; ' if text else ''}{label}{bench_layers._geomean(vals):.2f}x, {share:.0%}{part}"
+            cols.append(text)
+        out.append(f"| {cell} | {len(common)} | " + " | ".join(cols) + " |")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -582,7 +613,11 @@ def main(argv=None) -> int:
     ap.add_argument("--networks", action="store_true", help="add networks.py's distinct layers at batch 1 and 32")
     ap.add_argument("--json", help="write the results here as JSON")
     ap.add_argument("--list", action="store_true", help="print the sample and exit")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="compare runs' JSON on their common layers; no GPU")
     args = ap.parse_args(argv)
+    if args.compare:
+        print("\n".join(compare(args.compare)))
+        return 0
     cells = args.cells.split(",")
     bad = [c for c in cells if c not in CELLS]
     if bad:

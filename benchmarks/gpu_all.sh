@@ -5,8 +5,12 @@
 # back eight).
 #
 #   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests (or its parts, below) examples bench layers
-#                                            ceiling machinery move87
-#                                            (default: all but move87)
+#                                            census table ceiling machinery move87
+#                                            (default: tests examples bench layers ceiling machinery)
+#
+# `census` times the seeded layer census (benchmarks/census.py, two cells, untuned and tuned);
+# `table` measures every family on the census's training layers and writes this GPU model's
+# selection table (benchmarks/make_table.py) under $OUT, to be checked in as kernelgen/tables/.
 #
 # The tier takes more than one device call (about 17 minutes on the H100, each call at most 10):
 # `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck1` and `tests-memcheck2`
@@ -30,7 +34,9 @@ mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
 status=0
 # The logs the stages below append to start empty.
 if want examples; then : > "$out/examples.log"; fi
-if want bench || want layers || want ceiling || want machinery || want move87; then : > "$out/benches.log"; fi
+if want bench || want layers || want census || want table || want ceiling || want machinery || want move87; then
+  : > "$out/benches.log"
+fi
 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
   | tee "$out/env.txt"
@@ -62,6 +68,18 @@ if want bench; then
 fi
 if want layers; then
   python3 benchmarks/bench_layers.py --json "$out/bench_layers.json" 2>&1 | tee -a "$out/benches.log"
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want census; then
+  python3 benchmarks/census.py --cells tf32-nchw,bf16-cl --budget-s 540 --tune --top 3 --json "$out/census.json" 2>&1 \
+    | tee -a "$out/benches.log" | tail -30
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want table; then
+  key=$(python3 -c "import kernelgen.device as d; print(d.of(0).key)")
+  merge=""; [[ -f kernelgen/tables/$key.json ]] && merge="--merge kernelgen/tables/$key.json"
+  python3 benchmarks/make_table.py --budget-s 540 --top 4 $merge --out "$out/table_$key.json" 2>&1 \
+    | tee -a "$out/benches.log" | tail -12
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if want ceiling; then
