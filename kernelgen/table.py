@@ -32,8 +32,6 @@ TABLE_DIR = Path(__file__).resolve().parent / "tables"
 # How many measured layers speak for a call: the nearest of its cell, each with the weight
 # weight(d); a layer measured itself (d near 0) outweighs the rest.
 NEIGHBOURS = 16
-
-
 # The cells whose rows stand in for a cell the table has none of, in order.
 SIBLINGS = {"bf16-nchw": ("tf32-nchw", "ieee-nchw"), "bf16-cl": ("tf32-cl", "ieee-cl"),
             "tf32-nchw": ("bf16-nchw", "ieee-nchw"), "tf32-cl": ("bf16-cl", "ieee-cl"),
@@ -42,6 +40,8 @@ SIBLINGS = {"bf16-nchw": ("tf32-nchw", "ieee-nchw"), "bf16-cl": ("tf32-cl", "iee
 
 def weight(d: float) -> float:
     return 1.0 / (0.1 + d) ** 2
+
+
 # Weights of the features in the distance (each a log2 ratio); a different kind of layer is as far
 # as KIND_APART.
 WEIGHTS = (0.5, 0.75, 1.0, 1.0, 0.75, 1.5, 1.5, 1.0)

@@ -20,23 +20,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
 
-# Each resident block reserves this much of its SM's shared memory beside what it asks for.
-BLOCK_RESERVED_SMEM = 1024
-
-
 def target(device: "Device | None") -> "Device":
     """The GPU a check or a tile rule sizes for: `device`, or where none is named (CPU-tier tests,
     specs checked apart from a call) a nominal H100."""
     from ..device import nominal
 
     return device if device is not None else nominal("sm_90a")
-
-
-def fits_sm(device: "Device", blocks: int, smem: int, threads: int = 0, regs: int = 0) -> bool:
-    """Whether `blocks` blocks of `smem` bytes of shared memory (and `threads` threads of `regs`
-    registers) fit one SM of `device` at once."""
-    return (blocks * (smem + BLOCK_RESERVED_SMEM) <= device.smem_sm
-            and blocks * threads * regs <= device.regs_sm)
 
 
 def element_size(spec: "ConvSpec") -> int:
@@ -182,6 +171,10 @@ class Family:
         order of its tile space. `fixed` tiles hold in all of them. Empty where it cannot run."""
         from ..errors import ConvArgumentError
 
+        try:
+            self.check_target(problem.device)
+        except Unsupported:
+            return []
         device = target(problem.device)
         fixed = dict(fixed or {})
         forcings = [{}] + [{name: v} for name, values in self.tiles.items() if name not in fixed for v in values]
@@ -189,7 +182,6 @@ class Family:
         for force in forcings:
             pinned = {**force, **fixed}
             try:
-                self.check_target(problem.device)
                 tiles = {**self.default_tiles(spec, problem, fixed=pinned), **pinned}
                 cand = spec.replace(family=self.name, tiles=tuple(tiles.items()))
                 self.check(cand, device)
