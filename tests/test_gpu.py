@@ -1162,6 +1162,31 @@ def conv_kwargs(case: Case) -> dict:
     return dict(stride=case.stride, padding=case.padding, dilation=case.dilation, groups=case.groups)
 
 
+def make_gemv_cases(n: int, seed: int = 5113) -> list[Case]:
+    """Calls forced onto `gemv`: shapes drawn as make_cases draws them (every kernel, stride,
+    padding, dilation, groups, dtype and view, including offset starts that take the element-wise
+    loads), then squeeze-excitation 1x1s on 1x1 planes and small planes at batch 1, with channel
+    counts that are and are not whole 16-byte loads, in both memory formats and with ragged
+    tiles of output channels and pixels."""
+    rng = random.Random(seed)
+    cases = [replace(c, idx=9000 + i, family="gemv") for i, c in enumerate(make_cases(n // 2, seed))]
+    layouts = ["contiguous", "channels_last", "cl_both", "offset", "cl_offset", "weight_slice", "cl_weight_slice"]
+    while len(cases) < n:
+        se = rng.random() < 0.5
+        C = rng.choice([8, 16, 24, 64, 120, 174, 256, 1024] if se else [3, 16, 32, 58, 96, 160])
+        K = rng.choice([4, 8, 30, 64, 85, 240, 696] if se else [8, 9, 16, 48, 85, 128])
+        kernel = (1, 1) if se else rng.choice([(1, 1), (3, 3), (5, 5), (1, 7)])
+        H = W = 1 if se else rng.choice([4, 7, 13, 14])
+        tiles = rng.choice([(), (("block_co", 16), ("block_px", 2)), (("block_co", 1), ("block_px", 8)),
+                            (("warps", 8),), (("block_co", 4), ("block_px", 4), ("warps", 2))])
+        dtype = rng.choice(["float32", "float32", "bfloat16", "float16", "float64"])
+        pad = 0 if kernel == (1, 1) else (kernel[0] // 2, kernel[1] // 2)
+        cases.append(Case(9000 + len(cases), rng.choice([1, 1, 2, 8, 64]) if se else 1, C, K, 1, kernel, (1, 1),
+                          pad, (1, 1), rng.random() < 0.5, dtype, "ieee" if dtype == "float32" else None,
+                          rng.choice(layouts), H, W, "gemv", tiles))
+    return cases
+
+
 def make_candidate_cases(n: int, seed: int = 8642) -> list[Case]:
     """Configurations the tuner may pick rather than a family's own first choice (kernelgen.tune
     times the candidates of `Family.candidates`, select.ranked(every=True)), forced: for shapes
@@ -1208,7 +1233,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
          make_depthwise_planes_cases(24) + make_sampled_1x1_cases() + make_pointwise_tile_cases() +
          make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_grouped_mma_cases(48) +
          make_stem_nhwc_cases(48) +
-         make_weight_layout_cases(HOPPER) + make_candidate_cases(48))
+         make_weight_layout_cases(HOPPER) + make_candidate_cases(48) + make_gemv_cases(64))
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -1499,6 +1524,13 @@ MEMCHECK = textwrap.dedent("""
     for dtype in (torch.float32, torch.bfloat16):
         if "direct" in fams:
             run("direct", dtype, (2, 8, 19, 24), (16, 4, 3, 5), groups=2, stride=2, padding=1)
+        if "gemv" in fams:  # 16-byte and element-wise loads, both reduction orders, ragged tiles
+            for offset in (0, 1):
+                run_cl(dtype, (3, 64, 1, 1), (30, 64, 1, 1), offset, family="gemv")
+                run_cl(dtype, (2, 48, 5, 6), (20, 24, 3, 3), offset, family="gemv", groups=2, padding=1,
+                       stride=(2, 1), tiles={{"block_co": 8, "block_px": 4, "warps": 2}})
+            run("gemv", dtype, (2, 40, 7, 9), (19, 40, 3, 3), padding=(1, 2), dilation=2)
+            run("gemv", dtype, (5, 96, 1, 1), (200, 96, 1, 1), view=False, tiles={{"block_co": 16, "block_px": 2}})
         if "nhwc" in fams:  # ragged pixel and channel tiles, both input paths, groups, 3xTF32
             for offset in (0, 1):
                 run_cl(dtype, (3, 16, 11, 13), (30, 16, 3, 3), offset, padding=1, stride=(1, 2))
@@ -1689,7 +1721,7 @@ MEMCHECK = textwrap.dedent("""
 
 # The script's families in two parts of about four minutes each on the H100, so that each fits a
 # device call of its own (benchmarks/gpu_all.sh tests-memcheck1, tests-memcheck2).
-MEMCHECK_PARTS = {"part1": ("direct", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc"),
+MEMCHECK_PARTS = {"part1": ("direct", "gemv", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc"),
                   "part2": ("depthwise", "depthwise_planes", "depthwise_nhwc", "grouped_nhwc", "grouped_mma", "pointwise", "igemm",
                             "wgmma")}
 

@@ -8,7 +8,7 @@ from ..errors import ConvArgumentError
 from .base import Family
 
 # module name -> names of the Family objects it exports (module attribute FAMILIES).
-_MODULES = ("direct", "depthwise", "depthwise_planes", "groupwise_nhwc", "grouped_mma", "gemm", "wgmma", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc",
+_MODULES = ("direct", "gemv", "depthwise", "depthwise_planes", "groupwise_nhwc", "grouped_mma", "gemm", "wgmma", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc",
             "cpu")
 
 _registry: dict[str, Family] | None = None
