@@ -172,15 +172,16 @@ def _worker(spec_path: str, out_path: str, jobs: int) -> int:
     return 0
 
 
-def fit_model(rows: list[dict]) -> dict[str, list[float]]:
+def fit_model(rows: list[dict], dev=None) -> dict[str, list[float]]:
     """Per family, (launch seconds, mem, math) of kernelgen.costmodel fitted to its measured times by
     least squares on relative error, coefficients kept non-negative (a negative one is dropped and
-    the rest fitted again)."""
+    the rest fitted again). `dev`: the GPU the rows were measured on (default: this one)."""
     from kernelgen import costmodel
     from kernelgen.device import of
     from kernelgen.spec import ConvSpec, Problem
 
-    dev = of(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if dev is None:
+        dev = of(torch.cuda.current_device()) if torch.cuda.is_available() else None
     per_family: dict[str, list] = {}
     for row in rows:
         L = row["layer"]
@@ -243,12 +244,17 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("KERNELGEN_JOBS", "0")) or os.cpu_count() or 1)
     ap.add_argument("--check", metavar="TABLE", help="leave-one-out of the selector over a table's rows; no GPU")
+    ap.add_argument("--refit", metavar="TABLE", help="fit a table's cost model again to its own rows, on the GPU "
+                    "facts it was measured with (after a family's cost hooks change); no GPU")
     ap.add_argument("--worker", nargs=2, metavar=("LAYERS", "ROWS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(*args.worker, args.jobs)
     if args.check:
         print("\n".join(check(args.check)))
+        return 0
+    if args.refit:
+        refit(Path(args.refit))
         return 0
     if args.seed < 1000:
         ap.error("--seed: the training sample takes seeds from 1000 (the census's are below)")
@@ -321,6 +327,22 @@ def write_table(out: Path, old: list[dict], rows: list[dict], args, cells) -> No
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(table, separators=(",", ":")) + "\n")
     tmp.replace(out)
+
+
+def refit(path: Path) -> None:
+    """The table at `path` with its model fitted again to its rows on the device facts of its
+    provenance, the refit recorded there (commit, date)."""
+    from kernelgen.device import Device
+
+    table = json.loads(path.read_text())
+    dev = Device(**table["provenance"]["device"])
+    table["model"] = fit_model(table["rows"], dev)
+    table["provenance"]["refit"] = {"commit": census._commit(), "command": f"python benchmarks/make_table.py --refit {path}",
+                                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, separators=(",", ":")) + "\n")
+    tmp.replace(path)
+    print(f"# {path}: model fitted again to {len(table['rows'])} rows on {dev.name}")
 
 
 def check(path: str) -> list[str]:
