@@ -165,6 +165,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
             observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+    if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias)):
+        input, weight, bias = _resolve_neg(input, weight, bias)
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     plan = None if sig is None else _plans.get(sig)
     if plan is None:
@@ -175,6 +177,13 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                                     or (bias is not None and bias.requires_grad)):
         return _no_backward().apply(plan, input, weight, bias)
     return _run(plan, input, weight, bias)
+
+
+def _resolve_neg(*tensors):
+    """The tensors with any negative bit resolved (x.conj().imag, torch._neg_view store their values
+    unnegated, and kernels read memory): negated copies, as torch's own kernels take them. Before
+    planning, since the copy's strides are its own."""
+    return tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors)
 
 
 def signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles) -> tuple | None:

@@ -79,3 +79,28 @@ def test_render_refuses_a_huge_stride(fresh_cache):
                        capture_output=True, text=True, env=dict(os.environ, KERNELGEN_CACHE_DIR=str(fresh_cache)))
     assert r.returncode != 0 and "SH = 9223372036854775808" not in r.stdout
     assert "Overflow" in r.stderr
+
+
+# -- item 2: the negative bit ----------------------------------------------------------------------
+
+def _neg_view(t):
+    """`t`'s values, stored negated under the negative bit (as x.conj().imag is)."""
+    return torch._neg_view(-t)
+
+
+@pytest.mark.parametrize("which", ["input", "weight", "bias", "all"])
+def test_negative_bit_views_are_resolved(fresh_cache, which):
+    x, w, b = torch.randn(2, 3, 6, 7), torch.randn(4, 3, 3, 3), torch.randn(4)
+    args = {"input": x, "weight": w, "bias": b}
+    for name in args:
+        if which in (name, "all"):
+            args[name] = _neg_view(args[name])
+            assert args[name].is_neg()
+    _same(kernelgen.conv2d(**args, padding=1), F.conv2d(x, w, b, padding=1))
+
+
+def test_imag_of_a_conjugate(fresh_cache):
+    x = torch.randn(1, 1, 5, 5, dtype=torch.complex64).conj().imag
+    w = torch.randn(1, 1, 3, 3)
+    assert x.is_neg()
+    _same(kernelgen.conv2d(x, w), F.conv2d(x, w))
