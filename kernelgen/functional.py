@@ -436,16 +436,20 @@ def _channels_last_strides(shape) -> tuple[int, ...]:
 
 def _input_strides(input: torch.Tensor, unbatched: bool, prep: int) -> tuple[int, ...]:
     """The strides of the 4-D input a kernel is handed: `input` (unsqueezed if unbatched),
-    made contiguous in NCHW (prep 1 or 3) or channels_last (prep 2) when it is not already.
+    made contiguous in NCHW (prep 1 or 3) or channels_last (prep 2) when it is not already
+    (both: the dense strides of that format, size-1 dimensions included).
 
     Computed from sizes and strides, as torch computes them, rather than by running
     unsqueeze/contiguous on meta tensors: the first meta tensor of a process costs more
     than the rest of a warm call's planning.
     """
     x = input.unsqueeze(0) if unbatched else input  # a view: no copy, no allocation
-    if prep in (1, 3) and not x.is_contiguous():
+    # Dense in torch's sense ignores the stride of a dimension of size 1 (a channel slice at batch 1
+    # keeps its parent's batch stride): the tensor is used as it is, but the kernel is handed the
+    # dense strides it checks for, which address the same elements.
+    if prep in (1, 3):
         return _contiguous_strides(x.shape)
-    if prep == 2 and not x.is_contiguous(memory_format=_CL):
+    if prep == 2:
         return _channels_last_strides(x.shape)
     return x.stride()
 

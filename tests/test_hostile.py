@@ -104,3 +104,57 @@ def test_imag_of_a_conjugate(fresh_cache):
     w = torch.randn(1, 1, 3, 3)
     assert x.is_neg()
     _same(kernelgen.conv2d(x, w), F.conv2d(x, w))
+
+
+# -- item 3: size-1 dimensions, slices, expands and odd strides, decided when the plan is made ------
+
+def _views(shape, dtype=torch.float32, device="meta"):
+    """(name, tensor) views of one NCHW shape that torch calls dense, or that it copies."""
+    N, C, H, W = shape
+    yield "dense", torch.empty(shape, dtype=dtype, device=device)
+    yield "channel_slice", torch.empty(N, 2 * C, H, W, dtype=dtype, device=device)[:, :C]
+    yield "channel_slice_end", torch.empty(N, 2 * C, H, W, dtype=dtype, device=device)[:, C:]
+    yield "batch_slice", torch.empty(N + 3, C, H, W, dtype=dtype, device=device)[1:N + 1]
+    yield "expand", torch.empty(1, C, H, W, dtype=dtype, device=device).expand(N, C, H, W)
+    yield "channels_last", torch.empty(shape, dtype=dtype, device=device).contiguous(memory_format=torch.channels_last)
+    yield "cl_channel_slice", torch.empty(N, 2 * C, H, W, dtype=dtype, device=device).contiguous(
+        memory_format=torch.channels_last)[:, :C]
+    yield "odd_strides", torch.empty_strided(shape, (C * H * W * 3, H * W * 2 + 1, W, 1), dtype=dtype, device=device)
+    yield "size1_odd_stride", torch.empty_strided(shape, (7, H * W, W, 1) if N == 1 else
+                                                  (C * H * W, H * W, W, 1), dtype=dtype, device=device)
+
+
+def _dense(xs, shape, prep):
+    N, C, H, W = shape
+    want = (C * H * W, H * W, W, 1) if prep in (1, 3) else (C * H * W, 1, W * C, C)
+    return all(n == 1 or a == b for a, b, n in zip(xs, want, shape))
+
+
+@pytest.mark.parametrize("shape,wshape,kw", [
+    ((1, 80, 14, 14), (240, 80, 1, 1), {}),            # the issue's channel slice at batch 1
+    ((1, 64, 1, 16), (64, 64, 3, 3), dict(padding=1)),  # H of 1
+    ((2, 32, 16, 1), (32, 1, 3, 3), dict(padding=1, groups=32)),
+    ((1, 3, 32, 32), (64, 3, 7, 7), dict(stride=2, padding=3)),
+    ((1, 64, 8, 8), (128, 16, 3, 3), dict(padding=1, groups=4)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plans_hand_dense_kernels_dense_strides(shape, wshape, kw, dtype):
+    """Every family's plan for every view hands a kernel that takes dense input the strides it
+    checks at launch (a size-1 dimension's stride made dense: torch ignores it)."""
+    from kernelgen import functional
+
+    checked = 0
+    w = torch.empty(wshape, dtype=dtype, device="meta")
+    for name, x in _views(shape, dtype):
+        with functional.planning_for("sm_90a"):
+            specs, call = functional.candidates_for(x, w, **kw, device="cuda", precision="tf32"
+                                                    if dtype == torch.float32 else None)
+        for spec in specs:
+            prep = functional._prep_name(spec)
+            plan = functional._plan(lambda *a: None, "0" * 64, functional._call_fields(call), prep, x, w, None)
+            xs = plan.args[5:9]
+            if prep != "any":
+                shape4 = (call.N, call.C, call.H, call.W)
+                assert _dense(xs, shape4, functional._PREP[prep]), (name, spec.family, xs)
+            checked += 1
+    assert checked > 10
