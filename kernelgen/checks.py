@@ -148,6 +148,9 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device
     if ph < eh or pw < ew:
         raise ConvArgumentError(f"Calculated padded input size per channel: ({ph} x {pw}). Kernel size: "
                                 f"({eh} x {ew}). Kernel size can't be greater than actual input size")
+    if N > 0 and (H == 0 or W == 0):  # (padding made the window fit an empty plane)
+        raise ConvArgumentError(f"Only zero batch or zero channel inputs are supported, but got input shape: "
+                                f"{_size(input)}")
     P, Q = spec.output_size(H, W)
     # Runtime sizes travel as 64-bit launch arguments, but the GPU kernels tile rows and planes
     # with 32-bit indices: bound them, and the output's element count (which torch.empty would

@@ -306,8 +306,9 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
                 record = None
     spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                           family=family, tiles=tiles)
-    if spec is None:
-        return _plan(None, None, _call_fields(call), "any", input, weight, bias)
+    if spec is None:  # nothing to compute (an empty batch, meta tensors): F.conv2d returns NCHW there
+        return _plan(None, None, _call_fields(dataclasses.replace(call, channels_last=False)), "any", input,
+                     weight, bias)
     tuned = _tuned_spec(record, spec, input) if family is None and tiles is None else None
     if tuned is not None:  # measured on this GPU before, its kernel since pruned: build it again
         spec = tuned

@@ -158,3 +158,39 @@ def test_plans_hand_dense_kernels_dense_strides(shape, wshape, kw, dtype):
                 assert _dense(xs, shape4, functional._PREP[prep]), (name, spec.family, xs)
             checked += 1
     assert checked > 10
+
+
+# -- item 4: smaller differences from F.conv2d ---------------------------------------------------------
+
+CL = torch.channels_last
+
+
+@pytest.mark.parametrize("x,w", [
+    (torch.randn(0, 3, 8, 8), torch.randn(4, 3, 3, 3).contiguous(memory_format=CL)),
+    (torch.randn(0, 3, 8, 8).contiguous(memory_format=CL), torch.randn(4, 3, 3, 3)),
+    (torch.empty(2, 3, 8, 8, device="meta").contiguous(memory_format=CL), torch.empty(4, 3, 3, 3, device="meta")),
+    (torch.empty(2, 3, 8, 8, device="meta"), torch.empty(4, 3, 3, 3, device="meta").contiguous(memory_format=CL)),
+    (torch.empty(0, 3, 8, 8, device="meta"), torch.empty(4, 3, 3, 3, device="meta").contiguous(memory_format=CL)),
+])
+def test_empty_and_meta_outputs_have_torchs_format(x, w):
+    ours, theirs = kernelgen.conv2d(x, w), F.conv2d(x, w)
+    assert ours.shape == theirs.shape and ours.stride() == theirs.stride()
+
+
+def test_meta_planning_keeps_the_channels_last_kernel():
+    """(The output's format follows torch; the kernel planned for a channels_last call does not change.)"""
+    from kernelgen.functional import spec_for
+
+    x = torch.empty(2, 16, 8, 8, device="meta").contiguous(memory_format=CL)
+    spec, call = spec_for(x, torch.empty(16, 16, 3, 3, device="meta"), device="cpu")
+    assert call.channels_last
+
+
+@pytest.mark.parametrize("shape,kw", [((2, 3, 0, 8), dict(padding=1)), ((2, 3, 8, 0), dict(padding=(0, 2))),
+                                      ((3, 0, 8), dict(padding=1))])
+def test_an_empty_plane_with_a_batch_raises_as_torch(shape, kw):
+    x, w = torch.randn(shape), torch.randn(4, 3, 1, 1)
+    with pytest.raises(RuntimeError, match="Only zero batch or zero channel inputs are supported"):
+        F.conv2d(x, w, **kw)
+    with pytest.raises(ConvArgumentError, match="Only zero batch or zero channel inputs are supported"):
+        kernelgen.conv2d(x, w, **kw)
