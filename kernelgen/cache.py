@@ -206,12 +206,14 @@ class Cache:
 
     # -- reading -----------------------------------------------------------------------
     def read_entry(self, key: str, toolchain: Toolchain | None = None, verify_so: bool = True,
-                   expect: dict | None = None) -> Entry:
+                   expect: dict | None = None, spec: ConvSpec | None = None) -> Entry:
         """The complete, verified entry for `key`; InvalidEntry (or FileNotFoundError) otherwise.
 
         toolchain: the entry must have been built by it (its runtime fields, where the
             local compilers are unknown). expect: toolchain fields that must match (the
             cheap subset a plan record's caller can name without building a Toolchain).
+            spec: the entry must have been built for it (an index record found the key; a swapped
+            or edited one would otherwise load another convolution's kernel).
         """
         path = self.entry_dir(key)
         try:
@@ -235,8 +237,15 @@ class Cache:
             theirs = manifest.get("toolchain")
             if not isinstance(theirs, dict) or any(theirs.get(k) != v for k, v in expect.items()):
                 raise InvalidEntry("built by another toolchain")
+        name = manifest.get("name")
+        if not isinstance(name, str) or not name.startswith(f"kg_{key}_") or not name.isidentifier():
+            raise InvalidEntry("manifest names no valid module")
+        if spec is not None and manifest.get("spec") != json.loads(spec.to_json()):
+            raise InvalidEntry("built for another convolution than the one asked for")
         entry = Entry(key=key, path=path, manifest=manifest)
         so = manifest.get("so") or {}
+        if not isinstance(so, dict):
+            raise InvalidEntry("manifest names no valid .so")
         if not isinstance(so.get("file"), str) or "/" in so["file"] or so["file"].startswith("."):
             raise InvalidEntry("manifest names no valid .so")
         if verify_so:
@@ -262,15 +271,18 @@ class Cache:
                         _atomic_write(path / VERIFIED, json.dumps(seen))
         return entry
 
-    def load(self, key: str, toolchain: Toolchain | None, expect: dict | None = None) -> ModuleType:
-        """Import the verified entry `key` (see read_entry for toolchain and expect)."""
-        entry = self.read_entry(key, toolchain, expect=expect)
+    def load(self, key: str, toolchain: Toolchain | None, expect: dict | None = None,
+             spec: ConvSpec | None = None) -> ModuleType:
+        """Import the verified entry `key` (see read_entry for toolchain, expect and spec). The module's
+        KG_SPEC is the manifest's spec (a dict), for callers that hold only a key (plan records)."""
+        entry = self.read_entry(key, toolchain, expect=expect, spec=spec)
         try:
             module = _import_so(entry.manifest["name"], entry.so_path)
         except ImportError as exc:
             raise InvalidEntry(f"cannot import {entry.so_path.name}: {exc}") from None
         if getattr(module, "KG_ABI", None) != ABI_VERSION:
             raise InvalidEntry("module's ABI revision does not match")
+        module.KG_SPEC = entry.manifest.get("spec")
         if self.writable:
             with contextlib.suppress(OSError):
                 (entry.path / "last_used").touch()
@@ -331,12 +343,12 @@ class Cache:
         lookup = lookup_key(spec, toolchain)
         key = self.index_get(lookup)
         if key is not None:
-            module = self._try_load(key, toolchain)
+            module = self._try_load(key, toolchain, spec=spec)
             if module is not None:
                 return module, key, False
         rendered = render(spec)
         key = cache_key(spec, rendered, toolchain)
-        module = self._try_load(key, toolchain)
+        module = self._try_load(key, toolchain, spec=spec)
         if module is not None:
             self.index_put(lookup, key)
             return module, key, False
@@ -350,7 +362,7 @@ class Cache:
                     on_compile(spec, key, built)
                 return built.module, key, True
         with self.lock(key):
-            module = self._try_load(key, toolchain, quiet=False)  # built by another process while we waited?
+            module = self._try_load(key, toolchain, quiet=False, spec=spec)  # built by another process while we waited?
             if module is not None:
                 self.index_put(lookup, key)
                 return module, key, False
@@ -360,10 +372,11 @@ class Cache:
             on_compile(spec, key, built)
         return built.module, key, True
 
-    def _try_load(self, key: str, toolchain: Toolchain, quiet: bool = True) -> ModuleType | None:
+    def _try_load(self, key: str, toolchain: Toolchain, quiet: bool = True,
+                  spec: ConvSpec | None = None) -> ModuleType | None:
         """The entry's module, or None. Only the check made under the lock reports a bad entry."""
         try:
-            return self.load(key, toolchain)
+            return self.load(key, toolchain, spec=spec)
         except FileNotFoundError:
             return None
         except InvalidEntry as exc:

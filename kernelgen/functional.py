@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 
 from . import compiled, config, plans
-from .kernels import count, load_entry, load_kernel, workspace_bytes
+from .kernels import count, entry_spec, load_entry, load_kernel, workspace_bytes
 from .precision import check_override, torch_fp32_conv_math
 
 if TYPE_CHECKING:
@@ -300,7 +300,8 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
         if record is not None:
             try:
                 launch = load_entry(record["key"], cache, expect=_runtime_fields(device, arch))
-                if launch is not None:
+                if launch is not None and plans.fits(record, entry_spec(record["key"]), input, weight, bias, stride,
+                                                     padding, dilation, groups):
                     return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias)
             except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
                 record = None

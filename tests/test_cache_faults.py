@@ -1,0 +1,95 @@
+"""Cache faults and tampering (issue 54, items 5-12), with real processes: a crash is a failure.
+
+Each child process computes a convolution with kernelgen and with F.conv2d and prints whether
+they agree; the tests damage the cache between runs the way an editor, a full disk, a second
+process or another user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.compile
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {repo!r})
+    import torch, torch.nn.functional as F, kernelgen
+    torch.manual_seed(0)
+    out = []
+    for xs, ws, pad in {calls!r}:
+        x, w = torch.randn(*xs), torch.randn(*ws)
+        y = kernelgen.conv2d(x, w, padding=pad)
+        ref = F.conv2d(x, w, padding=pad)
+        out.append(bool(y.shape == ref.shape and torch.allclose(y, ref, rtol=1e-4, atol=1e-4)))
+    print(json.dumps(dict(kernelgen.stats(), agree=out)))
+""")
+
+A = ((2, 3, 11, 11), (5, 3, 3, 3), 1)
+B = ((1, 4, 20, 20), (6, 4, 5, 5), 0)
+
+
+def run(root: Path, *calls, check: bool = True) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD.format(repo=str(REPO), calls=list(calls))],
+                       env=dict(os.environ, KERNELGEN_CACHE_DIR=str(root)), capture_output=True, text=True,
+                       timeout=300)
+    if check:
+        assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+        return json.loads(r.stdout.splitlines()[-1])
+    return {"rc": r.returncode, "stderr": r.stderr, "stdout": r.stdout}
+
+
+def _records(root: Path) -> list[Path]:
+    return sorted((root / "plans").glob("*.json"))
+
+
+# -- item 5: plan and index records are checked against the call ------------------------------------
+
+def test_edited_plan_sizes_are_not_trusted(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    (rec,) = _records(root)
+    data = json.loads(rec.read_text())
+    for i in (3, 4, 5, 6):  # P, Q, H, W
+        data["call"][i] *= 8
+    rec.write_text(json.dumps(data))
+    assert run(root, A)["agree"] == [True]
+
+
+def test_a_plan_naming_another_entry_is_not_trusted(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    first = set(_records(root))
+    assert run(root, B)["agree"] == [True]
+    (ra,), (rb,) = first, set(_records(root)) - first
+    da, db = json.loads(ra.read_text()), json.loads(rb.read_text())
+    da["key"], db["key"] = db["key"], da["key"]
+    ra.write_text(json.dumps(da))
+    rb.write_text(json.dumps(db))
+    assert run(root, A, B)["agree"] == [True, True]
+    # the same, the sizes edited to match the other entry's call
+    da["call"], db["call"] = db["call"], da["call"]
+    ra.write_text(json.dumps(da))
+    rb.write_text(json.dumps(db))
+    assert run(root, A, B)["agree"] == [True, True]
+
+
+def test_swapped_index_records_are_not_trusted(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A, B)["agree"] == [True, True]
+    ia, ib = sorted((root / "index").glob("*.json"))
+    ta, tb = ia.read_text(), ib.read_text()
+    ia.write_text(tb)
+    ib.write_text(ta)
+    for rec in _records(root):  # so the index is what finds the entries
+        rec.unlink()
+    stats = run(root, A, B)
+    assert stats["agree"] == [True, True]
