@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kernelgen")
 
 MANIFEST = "manifest.json"
-VERIFIED = "verified.json"  # inode, size, mtime and sha256 of the .so when it was last hashed
+VERIFIED = "verified.json"  # inode, size, mtime, ctime and sha256 of the .so when it was last hashed
 FORMAT = 1
 
 
@@ -206,7 +206,7 @@ class Cache:
 
     # -- reading -----------------------------------------------------------------------
     def read_entry(self, key: str, toolchain: Toolchain | None = None, verify_so: bool = True,
-                   expect: dict | None = None, spec: ConvSpec | None = None) -> Entry:
+                   expect: dict | None = None, spec: ConvSpec | None = None, rehash: bool = False) -> Entry:
         """The complete, verified entry for `key`; InvalidEntry (or FileNotFoundError) otherwise.
 
         toolchain: the entry must have been built by it (its runtime fields, where the
@@ -214,6 +214,7 @@ class Cache:
             cheap subset a plan record's caller can name without building a Toolchain).
             spec: the entry must have been built for it (an index record found the key; a swapped
             or edited one would otherwise load another convolution's kernel).
+            rehash: hash the .so even where verified.json says this very file was hashed before.
         """
         path = self.entry_dir(key)
         try:
@@ -257,10 +258,11 @@ class Cache:
                 raise InvalidEntry(f"{so['file']} is {st.st_size} bytes, the manifest says {so.get('size')} "
                                    f"(truncated?)")
             # Hashing the .so is the slowest part of a warm start: skip it when the file is
-            # the very one a previous process hashed (same inode, size and mtime).
-            seen = [st.st_ino, st.st_size, st.st_mtime_ns, so.get("sha256")]
+            # the very one a previous process hashed (same inode, size, mtime and ctime: a
+            # rewrite in place can put the mtime back, not the ctime).
+            seen = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, so.get("sha256")]
             try:
-                verified = json.loads((path / VERIFIED).read_bytes()) == seen
+                verified = not rehash and json.loads((path / VERIFIED).read_bytes()) == seen
             except (OSError, ValueError):
                 verified = False
             if not verified:

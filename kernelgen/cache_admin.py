@@ -169,7 +169,7 @@ def entry_details(cache: Cache, key: str) -> dict[str, Any]:
     key = resolve_key(cache, key)
     path = cache.entry_dir(key)
     try:
-        entry = cache.read_entry(key, verify_so=True)
+        entry = cache.read_entry(key, verify_so=True, rehash=True)
         status = "ok"
         manifest = entry.manifest
     except (InvalidEntry, FileNotFoundError) as exc:

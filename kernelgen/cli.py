@@ -538,8 +538,9 @@ def cmd_render(args) -> int:
 # ---------------------------------------------------------------------------- doctor
 
 
-def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(facts, problems that stop a compile here, notes)."""
+def _doctor_report(cache_dir: str | None, try_build: bool,
+                   verify: bool = False) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(facts, problems that stop a compile here, notes). `verify`: re-hash every entry's binary."""
     import torch
 
     from .cache import Cache
@@ -620,6 +621,18 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
         entries = list_entries(cache)
         cache_facts["entries"] = len(entries)
         cache_facts["bytes"] = sum(e.size for e in entries)
+        if verify:
+            from .cache import InvalidEntry
+
+            bad = []
+            for e in entries:
+                try:
+                    cache.read_entry(e.key, verify_so=True, rehash=True)
+                except (InvalidEntry, OSError) as exc:
+                    bad.append(e.key)
+                    problems.append(f"cache entry {e.key[:16]} does not verify ({exc}); `kernelgen cache clear` "
+                                    f"or a rebuild replaces it")
+            cache_facts["verified"] = len(entries) - len(bad)
     except CacheError as exc:
         cache_facts["writable"] = False
         problems.append(str(exc))
@@ -651,7 +664,7 @@ def _trial_builds(gpu: bool) -> dict[str, dict]:
 
 
 def cmd_doctor(args) -> int:
-    facts, problems, notes = _doctor_report(args.cache_dir, args.try_build)
+    facts, problems, notes = _doctor_report(args.cache_dir, args.try_build, args.verify)
     if args.json:
         _dump({**facts, "problems": problems, "notes": notes, "ok": not problems})
     else:
@@ -801,6 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Report torch, CUDA, nvcc, the GPU and its arch, the cache directory, and "
                                    "what would stop a compile. Exit status 1 if something would.")
     d.add_argument("--try-build", action="store_true", help="also build a tiny kernel into a throw-away cache")
+    d.add_argument("--verify", action="store_true", help="re-hash every cached binary against its manifest")
     d.set_defaults(func=cmd_doctor)
     return p
 

@@ -93,3 +93,31 @@ def test_swapped_index_records_are_not_trusted(tmp_path):
         rec.unlink()
     stats = run(root, A, B)
     assert stats["agree"] == [True, True]
+
+
+# -- item 8: verified.json cannot be fooled by putting the mtime back ----------------------------------
+
+def _cli(root: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kernelgen", *args], cwd=str(REPO), capture_output=True, text=True,
+                          env=dict(os.environ, KERNELGEN_CACHE_DIR=str(root)), timeout=300)
+
+
+def test_an_in_place_rewrite_with_the_mtime_put_back_is_caught(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    assert run(root, A)["compiles"] == 0  # (verified.json now names the .so)
+    (entry,) = (root / "entries").iterdir()
+    (so,) = entry.glob("*.so")
+    st = so.stat()
+    data = bytearray(so.read_bytes())
+    data[-1] ^= 0xFF  # same size, one byte changed, written in place
+    with open(so, "r+b") as f:
+        f.write(data)
+    os.utime(so, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert so.stat().st_mtime_ns == st.st_mtime_ns and so.stat().st_ino == st.st_ino
+    info = _cli(root, "cache", "info", entry.name[:16])
+    assert info.returncode != 0 and "sha256" in info.stdout, info.stdout
+    doctor = _cli(root, "doctor", "--verify", "--json")
+    assert entry.name[:16] in doctor.stdout and json.loads(doctor.stdout)["ok"] is False
+    again = run(root, A)
+    assert again["agree"] == [True] and again["compiles"] == 1
