@@ -308,8 +308,13 @@ class Cache:
         return key if isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key) else None
 
     def index_put(self, lookup: str, key: str) -> None:
+        """Best effort: the index only saves a render next time, so a full or read-only disk must
+        not fail the call that found or built the entry."""
         if self.writable:
-            _atomic_write(self.root / "index" / f"{lookup}.json", json.dumps({"key": key}))
+            try:
+                _atomic_write(self.root / "index" / f"{lookup}.json", json.dumps({"key": key}))
+            except OSError as exc:
+                log.debug("kernelgen: cannot write the index record %s (%s)", lookup[:16], exc)
 
     # -- locking -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -363,12 +368,17 @@ class Cache:
                 if on_compile:
                     on_compile(spec, key, built)
                 return built.module, key, True
-        with self.lock(key):
-            module = self._try_load(key, toolchain, quiet=False, spec=spec)  # built by another process while we waited?
-            if module is not None:
-                self.index_put(lookup, key)
-                return module, key, False
-            built = self._build_entry(spec, rendered, toolchain, key)
+        try:
+            with self.lock(key):
+                module = self._try_load(key, toolchain, quiet=False, spec=spec)  # built by another process meanwhile?
+                if module is not None:
+                    self.index_put(lookup, key)
+                    return module, key, False
+                built = self._build_entry(spec, rendered, toolchain, key)
+        except OSError as exc:
+            if exc.errno in _NO_ROOM:
+                raise _no_room(self.root, exc) from exc
+            raise
         self.index_put(lookup, key)
         if on_compile:
             on_compile(spec, key, built)
@@ -398,8 +408,10 @@ class Cache:
         except Exception:
             failed = self.root / "failed" / key
             shutil.rmtree(failed, ignore_errors=True)
-            with contextlib.suppress(OSError):
+            try:
                 os.rename(staging, failed)
+            except OSError:
+                shutil.rmtree(staging, ignore_errors=True)
             raise
         so = built.path
         manifest = {
@@ -409,7 +421,11 @@ class Cache:
             "so": {"file": so.name, "size": so.stat().st_size, "sha256": file_sha256(so)},
             "sources": ["main.cpp"] + (["cuda.cu"] if rendered.cuda is not None else []),
         }
-        _atomic_write(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        try:
+            _atomic_write(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         target = self.entry_dir(key)
         if target.exists():  # an invalid entry we decided to replace
             shutil.rmtree(target, ignore_errors=True)
@@ -439,12 +455,27 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """Write `path` whole or not at all; a failed write (a full disk) leaves no temporary behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _no_room(root: Path, exc: OSError) -> Exception:
+    return _cache_error(f"no space left for the kernelgen cache {root} ({exc.strerror}: {exc.filename}); free some "
+                        f"space, run `kernelgen cache prune --max-size SIZE`, or set KERNELGEN_CACHE_DIR to "
+                        f"another disk")
 
 
 __all__ = ["Cache", "Entry", "InvalidEntry", "cache_key", "lookup_key", "module_name", "template_dir"]

@@ -125,13 +125,16 @@ def read(root: Path, name: str) -> dict | None:
 def write(root: Path, name: str, record: dict) -> None:
     """Atomically; best effort (a read-only cache only costs the full path next time)."""
     directory = root / "plans"
+    tmp = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
     try:
         directory.mkdir(mode=0o700, exist_ok=True)
-        tmp = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
         tmp.write_text(json.dumps(dict(record, format=FORMAT), sort_keys=True))
         os.replace(tmp, directory / f"{name}.json")
     except OSError:
-        pass
+        try:  # (a full disk: leave no temporary behind)
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 _PREPS = {"any": ("any",), "nchw": ("nchw", "nchw_aligned"), "nhwc": ("nhwc",)}

@@ -121,3 +121,74 @@ def test_an_in_place_rewrite_with_the_mtime_put_back_is_caught(tmp_path):
     assert entry.name[:16] in doctor.stdout and json.loads(doctor.stdout)["ok"] is False
     again = run(root, A)
     assert again["agree"] == [True] and again["compiles"] == 1
+
+
+# -- item 9: a full disk ------------------------------------------------------------------------------
+
+# Runs before CHILD in the same process: every write, file creation and mkdir under the cache
+# fails with ENOSPC, as on a full disk (no mount needed, so it runs anywhere).
+FULL_DISK = textwrap.dedent("""
+    import builtins, errno, io, os
+    _root = os.path.realpath(os.environ["KERNELGEN_CACHE_DIR"])
+    def _ours(path):
+        try:
+            return os.path.realpath(os.fspath(path)).startswith(_root)
+        except TypeError:
+            return False
+    def _full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
+    _open, _os_open, _mkdir = builtins.open, os.open, os.mkdir
+    def open_(file, mode="r", *a, **k):
+        if _ours(file) and any(c in mode for c in "wax+"):
+            _full(file)
+        return _open(file, mode, *a, **k)
+    def os_open(path, flags, *a, **k):
+        if _ours(path) and (flags & (os.O_WRONLY | os.O_APPEND) or flags & os.O_CREAT and not os.path.exists(path)):
+            _full(path)
+        return _os_open(path, flags, *a, **k)
+    def mkdir(path, *a, **k):
+        if _ours(path) and not os.path.isdir(path):
+            _full(path)
+        return _mkdir(path, *a, **k)
+    builtins.open = io.open = open_
+    os.open, os.mkdir = os_open, mkdir
+""")
+
+
+def run_full(root: Path, *calls) -> subprocess.CompletedProcess:
+    code = FULL_DISK + CHILD.format(repo=str(REPO), calls=list(calls))
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KERNELGEN_CACHE_DIR=str(root)),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith(".tmp")) + \
+        sorted(str(p.relative_to(root)) for p in (root / "staging").iterdir())
+
+
+@pytest.mark.parametrize("forget", ["nothing", "plans", "plans_and_index", "verified"])
+def test_a_full_disk_never_breaks_a_hit(tmp_path, forget):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    if forget in ("plans", "plans_and_index"):
+        for p in (root / "plans").glob("*.json"):
+            p.unlink()
+    if forget == "plans_and_index":
+        for p in (root / "index").glob("*.json"):
+            p.unlink()
+    if forget == "verified":
+        for p in (root / "entries").glob("*/verified.json"):
+            p.unlink()
+    r = run_full(root, A)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1])["agree"] == [True]
+    assert _leftovers(root) == []
+
+
+def test_a_full_disk_on_a_miss_says_so(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    r = run_full(root, B)
+    assert r.returncode == 1
+    assert "CacheError" in r.stderr and "no space left for the kernelgen cache" in r.stderr, r.stderr[-3000:]
+    assert _leftovers(root) == []
