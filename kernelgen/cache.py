@@ -359,6 +359,9 @@ class Cache:
         if module is not None:
             self.index_put(lookup, key)
             return module, key, False
+        if self.writable and not (self.root / "locks").is_dir():  # removed under us (rm -rf): make it again
+            self._checked = False
+            self.ensure()
         if not self.writable:
             log.warning("kernelgen cache %s is read-only: building %s in a temporary directory "
                         "(it will not be kept)", self.root, spec.summary())

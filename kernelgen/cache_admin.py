@@ -218,6 +218,14 @@ def _drop_stale_index(cache: Cache) -> None:
                 path.unlink()
 
 
+def _young(path: Path, seconds: float = 3600.0) -> bool:
+    """Whether `path` was modified within `seconds` (False if it is gone)."""
+    try:
+        return time.time() - path.lstat().st_mtime < seconds
+    except OSError:
+        return False
+
+
 def clear(cache: Cache) -> int:
     """Remove every entry, index file, plan record and failed build; returns the number of entries removed."""
     cache.ensure()
@@ -230,6 +238,8 @@ def clear(cache: Cache) -> int:
         if not (cache.root / sub).is_dir():
             continue
         for path in (cache.root / sub).iterdir():
+            if path.name.endswith(".tmp") and _young(path):
+                continue  # another process is writing it: its rename would fail (left over: removed later)
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,120 @@ def test_a_full_disk_on_a_miss_says_so(tmp_path):
     assert r.returncode == 1
     assert "CacheError" in r.stderr and "no space left for the kernelgen cache" in r.stderr, r.stderr[-3000:]
     assert _leftovers(root) == []
+
+
+# -- item 10: clear under a running process, and rm -rf of the cache -----------------------------------
+
+BUSY = textwrap.dedent("""
+    import json, sys, time
+    sys.path.insert(0, {repo!r})
+    import torch, torch.nn.functional as F, kernelgen
+    from kernelgen import functional, kernels
+    torch.manual_seed(0)
+    calls = {calls!r}
+    errors, agree, n = [], 0, 0
+    deadline = time.monotonic() + {seconds}
+    while time.monotonic() < deadline or n < len(calls):
+        xs, ws, pad = calls[n % len(calls)]
+        n += 1
+        kernels.clear_memo(); functional.clear_plans()  # every call goes to the disk
+        x, w = torch.randn(*xs), torch.randn(*ws)
+        try:
+            agree += bool(torch.allclose(kernelgen.conv2d(x, w, padding=pad), F.conv2d(x, w, padding=pad),
+                                         rtol=1e-4, atol=1e-4))
+        except Exception as exc:
+            errors.append(repr(exc)[:300])
+    print(json.dumps(dict(calls=n, agree=agree, errors=errors)))
+""")
+
+CLEARER = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {repo!r})
+    from kernelgen.cache import Cache
+    from kernelgen.cache_admin import clear
+    end = time.monotonic() + {seconds}
+    while time.monotonic() < end:
+        clear(Cache(os.environ["KERNELGEN_CACHE_DIR"]))
+        time.sleep(0.01)
+""")
+
+
+def test_clear_while_another_process_loads_and_builds(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A, B)["agree"] == [True, True]
+    env = dict(os.environ, KERNELGEN_CACHE_DIR=str(root))
+    clearer = subprocess.Popen([sys.executable, "-c", CLEARER.format(repo=str(REPO), seconds=8)], env=env)
+    try:
+        r = subprocess.run([sys.executable, "-c", BUSY.format(repo=str(REPO), calls=[A, B], seconds=8)], env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        clearer.wait(timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["errors"] == [] and out["agree"] == out["calls"] >= 2, out
+
+
+# Runs before CHILD: each temporary under the cache is deleted just before it is renamed into place,
+# as `cache clear` in another process can (the interleaving made certain rather than waited for).
+CLEARED_MID_WRITE = textwrap.dedent("""
+    import os
+    _root, _replace = os.path.realpath(os.environ["KERNELGEN_CACHE_DIR"]), os.replace
+    def replace(src, dst, *a, **k):
+        if str(src).endswith(".tmp") and os.path.realpath(str(src)).startswith(_root):
+            os.unlink(src)
+        return _replace(src, dst, *a, **k)
+    os.replace = replace
+""")
+
+
+def test_temporaries_cleared_mid_write_do_not_fail_a_call(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    for p in list((root / "plans").glob("*.json")) + list((root / "index").glob("*.json")):
+        p.unlink()  # so the call writes both again
+    code = CLEARED_MID_WRITE + CHILD.format(repo=str(REPO), calls=[A])
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KERNELGEN_CACHE_DIR=str(root)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1])["agree"] == [True]
+
+
+def test_clear_leaves_temporaries_being_written(tmp_path):
+    from kernelgen.cache import Cache
+    from kernelgen.cache_admin import clear
+
+    root = tmp_path / "cache"
+    cache = Cache(root)
+    cache.ensure()
+    (root / "plans").mkdir()
+    young, old = root / "index" / ".a.json.1.abc.tmp", root / "plans" / ".b.json.1.abc.tmp"
+    young.write_text("{}")
+    old.write_text("{}")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    clear(cache)
+    assert young.exists() and not old.exists()
+
+
+RMRF = textwrap.dedent("""
+    import json, shutil, sys, os
+    sys.path.insert(0, {repo!r})
+    import torch, torch.nn.functional as F, kernelgen
+    out = []
+    for xs, ws, pad in {calls!r}:
+        shutil.rmtree(os.environ["KERNELGEN_CACHE_DIR"])  # under the running process
+        x, w = torch.randn(*xs), torch.randn(*ws)
+        out.append(bool(torch.allclose(kernelgen.conv2d(x, w, padding=pad), F.conv2d(x, w, padding=pad),
+                                       rtol=1e-4, atol=1e-4)))
+    print(json.dumps(out))
+""")
+
+
+def test_a_removed_cache_directory_is_made_again(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    r = subprocess.run([sys.executable, "-c", RMRF.format(repo=str(REPO), calls=[B, ((1, 2, 6, 6), (3, 2, 3, 3), 1)])],
+                       env=dict(os.environ, KERNELGEN_CACHE_DIR=str(root)), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == [True, True]
+    assert (root / "entries").is_dir() and len(list((root / "entries").iterdir())) == 1
