@@ -20,6 +20,7 @@ computes for its spec (templates that differ would render other code).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -31,11 +32,11 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ._version import __version__
 from .cache import MANIFEST, Cache, InvalidEntry, cache_key, file_sha256, lookup_key
-from .errors import KernelgenError
+from .errors import CacheError, KernelgenError
 from .spec import ConvSpec
 from .toolchain import Toolchain
 
@@ -226,9 +227,35 @@ def _young(path: Path, seconds: float = 3600.0) -> bool:
         return False
 
 
+def _writable(cache: Cache, verb: str) -> None:
+    """Raise a CacheError saying what is wrong where the cache cannot be changed (a read-only disk
+    or directory), rather than failing half-way with a traceback."""
+    cache.ensure()
+    if not cache.writable:
+        raise CacheError(f"cannot {verb} the kernelgen cache {cache.root}: it is read-only (for you, or its "
+                         f"filesystem); nothing was removed. Run this as its owner, or on a writable copy")
+
+
+@contextlib.contextmanager
+def _removing(cache: Cache, verb: str) -> Iterator[None]:
+    """Turn a permission or read-only error met while removing into a CacheError naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise CacheError(f"cannot {verb} the kernelgen cache {cache.root}: {exc.strerror} ({exc.filename}); "
+                             f"part of it may already be removed") from None
+        raise
+
+
 def clear(cache: Cache) -> int:
     """Remove every entry, index file, plan record and failed build; returns the number of entries removed."""
-    cache.ensure()
+    _writable(cache, "clear")
+    with _removing(cache, "clear"):
+        return _clear(cache)
+
+
+def _clear(cache: Cache) -> int:
     removed = 0
     base = cache.root / "entries"
     for path in sorted(base.iterdir()) if base.is_dir() else ():
@@ -255,7 +282,10 @@ def prune(cache: Cache, max_size: int | None = None, older_than: float | None = 
     dry_run, would be) removed."""
     if max_size is None and older_than is None:
         raise ValueError("prune needs --max-size, --older-than or both")
-    cache.ensure()
+    if dry_run:
+        cache.ensure()
+    else:
+        _writable(cache, "prune")
     now = time.time() if now is None else now
     entries = sorted(list_entries(cache), key=lambda e: e.last_used)  # least recently used first
     doomed = [e for e in entries if older_than is not None and now - e.last_used > older_than]
@@ -268,8 +298,9 @@ def prune(cache: Cache, max_size: int | None = None, older_than: float | None = 
             doomed.append(e)
             total -= e.size
     if not dry_run:
-        doomed = [e for e in doomed if _remove_entry(cache, e.key)]
-        _drop_stale_index(cache)
+        with _removing(cache, "prune"):
+            doomed = [e for e in doomed if _remove_entry(cache, e.key)]
+            _drop_stale_index(cache)
     return doomed
 
 

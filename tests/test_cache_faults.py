@@ -310,3 +310,47 @@ def test_a_removed_cache_directory_is_made_again(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.splitlines()[-1]) == [True, True]
     assert (root / "entries").is_dir() and len(list((root / "entries").iterdir())) == 1
+
+
+# -- item 12: clear and prune on a read-only cache ------------------------------------------------------
+
+# Runs before the CLI in the same process: the cache's filesystem is read-only (EROFS), which holds
+# for root too (mode bits do not stop root, so chmod cannot make the test's cache read-only).
+READ_ONLY = textwrap.dedent("""
+    import errno, os, shutil, sys
+    sys.path.insert(0, {repo!r})
+    _root = os.path.realpath(os.environ["KERNELGEN_CACHE_DIR"])
+    def _ours(path):
+        try:
+            return os.path.realpath(os.fspath(path)).startswith(_root)
+        except TypeError:
+            return False
+    def _ro(path):
+        raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+    def wrap(fn, writes=lambda *a, **k: True):
+        def inner(path, *a, **k):
+            if _ours(path) and writes(path, *a, **k):
+                _ro(path)
+            return fn(path, *a, **k)
+        return inner
+    _access = os.access
+    os.access = lambda path, mode, *a, **k: False if _ours(path) and mode & os.W_OK else _access(path, mode, *a, **k)
+    os.open = wrap(os.open, lambda p, flags, *a, **k: flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    for name in ("unlink", "remove", "rmdir", "mkdir", "rename", "replace"):
+        setattr(os, name, wrap(getattr(os, name)))
+    from kernelgen.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("args", [["cache", "clear"], ["cache", "prune", "--max-size", "0"],
+                                  ["cache", "prune", "--older-than", "0s"]])
+def test_clear_and_prune_on_a_read_only_cache_say_what_is_wrong(tmp_path, args):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    r = subprocess.run([sys.executable, "-c", READ_ONLY.format(repo=str(REPO)), *args],
+                       env=dict(os.environ, KERNELGEN_CACHE_DIR=str(root)), capture_output=True, text=True,
+                       timeout=300)
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode != 0 and "read-only" in r.stderr, (r.returncode, r.stderr)
+    assert len(list((root / "entries").iterdir())) == 1
