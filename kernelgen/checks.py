@@ -142,7 +142,9 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device
         raise ConvArgumentError(f"the output of {N}x{K}x{P}x{Q} elements does not fit 64 bits")
     # F.conv2d's output format: channels_last when the input or the weight is, except
     # float64 on CUDA, where torch's backends return contiguous outputs.
-    channels_last = (not unbatched and (is_channels_last(input) or is_channels_last(weight))
+    # (an unbatched input is judged as torch judges it, unsqueezed: a channels_last weight makes the
+    # output channels_last there too)
+    channels_last = ((is_channels_last(input.unsqueeze(0) if unbatched else input) or is_channels_last(weight))
                      and not (device == "cuda" and input.dtype == torch.float64))
     return Call(unbatched=unbatched, N=N, C=C, H=H, W=W, K=K, P=P, Q=Q, channels_last=channels_last)
 

@@ -491,6 +491,8 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt) \
         if out is None else out
     if plan.launch is not None:
+        if plan.squeeze:  # (as _input_strides sees it: 4-D, so a channels_last preparation applies)
+            input = input.unsqueeze(0)
         if plan.sample is not None:
             input = input[..., ::plan.sample[0], ::plan.sample[1]]
         prep = plan.prep

@@ -203,7 +203,7 @@ def fits(record: dict, spec: dict | None, input, weight, bias, stride, padding, 
             return False
         p = (h + pads[0] + pads[1] - d[0] * (kh - 1) - 1) // s[0] + 1
         q = (w + pads[2] + pads[3] - d[1] * (kw - 1) - 1) // s[1] + 1
-        cl = (not unbatched and (is_channels_last(input) or is_channels_last(weight))
+        cl = ((is_channels_last(input.unsqueeze(0) if unbatched else input) or is_channels_last(weight))
               and not (input.is_cuda and want["dtype"] == "float64"))
         return (N, K, P, Q, H, W, channels_last) == (n, k, p, q, h, w, cl) and min(n, p, q) > 0
     except (KeyError, TypeError, ValueError, AttributeError):

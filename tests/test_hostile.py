@@ -194,3 +194,25 @@ def test_an_empty_plane_with_a_batch_raises_as_torch(shape, kw):
         F.conv2d(x, w, **kw)
     with pytest.raises(ConvArgumentError, match="Only zero batch or zero channel inputs are supported"):
         kernelgen.conv2d(x, w, **kw)
+
+
+@pytest.mark.parametrize("x,w", [
+    (torch.randn(2, 12, 9), torch.randn(3, 2, 3, 1).contiguous(memory_format=CL)),   # found by the fuzz test
+    (torch.randn(12, 9, 2).permute(2, 0, 1), torch.randn(3, 2, 3, 1)),
+    (torch.randn(1, 12, 9), torch.randn(3, 1, 3, 1).contiguous(memory_format=CL)),
+])
+def test_unbatched_outputs_have_torchs_format(fresh_cache, x, w):
+    ours, theirs = kernelgen.conv2d(x, w), F.conv2d(x, w)
+    assert ours.stride() == theirs.stride()
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_unbatched_channels_last_plans_prepare_a_4d_input():
+    """An unbatched call judged channels_last may be planned for a channels_last kernel; its input
+    is prepared unsqueezed (a 3-D tensor has no channels_last format)."""
+    from kernelgen import functional
+
+    x, w = torch.randn(16, 8, 8), torch.randn(16, 16, 3, 3).contiguous(memory_format=CL)
+    plan = functional._plan(lambda *a: None, "0" * 64, [True, 1, 16, 6, 6, 8, 8, True, None], "nhwc", x, w, None)
+    y = functional._run(plan, x, w, None)
+    assert y.shape == (16, 6, 6)
