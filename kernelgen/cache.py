@@ -401,7 +401,7 @@ class Cache:
 
     def _build_entry(self, spec: ConvSpec, rendered: Rendered, toolchain: Toolchain, key: str) -> Built:
         """Build in staging, verify, write the manifest last, rename into place. Caller holds the lock."""
-        self._sweep_staging()
+        self._sweep_staging(held=key)
         staging = self.root / "staging" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         staging.mkdir(mode=0o700)
         name = module_name(key)
@@ -437,24 +437,51 @@ class Cache:
         log.info("kernelgen: compiled %s in %.1f s", spec.summary(), built.seconds)
         return built
 
-    def _sweep_staging(self) -> None:
-        """Remove staging directories whose builder process is gone (killed mid-build)."""
+    def _sweep_staging(self, held: str | None = None) -> None:
+        """Remove staging directories nobody is building in (a builder killed mid-build).
+
+        A build's directory is named after its key, and its builder holds the key's lock until the
+        build is renamed into place: a lock we can take means no process, in this PID namespace
+        or another sharing the cache, is building there. (A process ID says nothing across
+        containers.) Other leftovers (an interrupted import, an entry's trash) carry no lock and
+        are removed once a day old. `held`: a key whose lock the caller holds (its leftovers go)."""
         base = self.root / "staging"
         for path in base.iterdir() if base.is_dir() else ():
-            parts = path.name.split(".")
-            pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
-            if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+            key = path.name.split(".")[0]
+            if key == held:
+                shutil.rmtree(path, ignore_errors=True)
+            elif len(key) == 64 and all(c in "0123456789abcdef" for c in key):
+                with self._try_lock(key) as free:
+                    if free:
+                        shutil.rmtree(path, ignore_errors=True)
+            elif _age(path) > 86400:
                 shutil.rmtree(path, ignore_errors=True)
 
+    @contextlib.contextmanager
+    def _try_lock(self, key: str) -> Iterator[bool]:
+        """Hold `key`'s lock if it is free now (True), else yield False at once. (Held by this very
+        process through another descriptor counts as taken: flock locks are per open file.)"""
+        try:
+            fd = os.open(self.root / "locks" / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
-def _pid_alive(pid: int) -> bool:
+
+def _age(path: Path) -> float:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return time.time() - path.lstat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _atomic_write(path: Path, text: str) -> None:

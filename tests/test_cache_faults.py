@@ -354,3 +354,37 @@ def test_clear_and_prune_on_a_read_only_cache_say_what_is_wrong(tmp_path, args):
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.returncode != 0 and "read-only" in r.stderr, (r.returncode, r.stderr)
     assert len(list((root / "entries").iterdir())) == 1
+
+
+# -- item 11: staging cleanup decides liveness by the key's lock, not by a PID ----------------------------
+
+HOLD = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+""")
+
+
+def test_a_build_in_another_pid_namespace_is_not_swept(tmp_path):
+    from kernelgen.cache import Cache
+
+    cache = Cache(tmp_path / "cache")
+    cache.ensure()
+    key = "ab" * 32
+    # a builder in another container: a PID that does not exist here, holding the key's lock
+    staging = cache.root / "staging" / f"{key}.999999.deadbeef"
+    staging.mkdir()
+    (staging / "main.cpp").write_text("// being built")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(cache.root / "locks" / f"{key}.lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cache._sweep_staging()
+        assert staging.is_dir(), "a live build (its key's lock held) was swept"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    cache._sweep_staging()  # the builder is gone (its lock released): its leftovers go
+    assert not staging.exists()
