@@ -163,6 +163,8 @@ class Cache:
         self.root = Path(root) if root is not None else config.cache_dir()
         self.lock_timeout = config.lock_timeout() if lock_timeout is None else lock_timeout
         self._checked = False
+        self._root_id: tuple[int, int] | None = None
+        self._root_link = False
         self.writable = True
 
     # -- the directory -----------------------------------------------------------------
@@ -190,6 +192,8 @@ class Cache:
             raise _cache_error(f"the kernelgen cache directory {self.root} is writable by other users "
                                f"(mode {stat.filemode(st.st_mode)}); run `chmod 700 {self.root}` or set "
                                f"KERNELGEN_CACHE_DIR to a private directory.")
+        self._root_id = (st.st_dev, st.st_ino)
+        self._root_link = os.path.islink(self.root)  # (a root configured as a link stays one)
         self.writable = os.access(self.root, os.W_OK)
         if self.writable:
             # One directory listing instead of five mkdir calls that fail with EEXIST:
@@ -278,6 +282,7 @@ class Cache:
         """Import the verified entry `key` (see read_entry for toolchain, expect and spec). The module's
         KG_SPEC is the manifest's spec (a dict), for callers that hold only a key (plan records)."""
         entry = self.read_entry(key, toolchain, expect=expect, spec=spec)
+        self._check_code_path(entry)
         try:
             module = _import_so(entry.manifest["name"], entry.so_path)
         except ImportError as exc:
@@ -289,6 +294,36 @@ class Cache:
             with contextlib.suppress(OSError):
                 (entry.path / "last_used").touch()
         return module
+
+    def _check_code_path(self, entry: Entry) -> None:
+        """Before importing `entry`'s .so: the root, entries/, the entry and the .so itself are ours
+        (or root's), not writable by others, and not symbolic links (lstat: a link swapped in since
+        the root was checked is seen). A few lstat calls, once per kernel and process. The root or
+        entries/ failing is a CacheError (nothing under it may be run); the entry, an InvalidEntry
+        (rebuilt by us)."""
+        try:
+            st = os.lstat(self.root)
+            if stat.S_ISLNK(st.st_mode):
+                if not self._root_link:
+                    raise _cache_error(f"the kernelgen cache directory {self.root} was replaced by a symbolic link "
+                                       f"since it was checked; refusing to load code through it")
+                st = os.stat(self.root)
+            if (st.st_dev, st.st_ino) != self._root_id:  # made again (rm -rf) or swapped: check it afresh
+                self._checked = False
+                self.ensure()
+            sub = os.lstat(self.root / "entries")
+        except FileNotFoundError:
+            raise InvalidEntry("the cache directory is gone") from None
+        _private(self.root / "entries", sub, _cache_error)
+        for path, want in ((entry.path, stat.S_ISDIR), (entry.so_path, stat.S_ISREG)):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                raise InvalidEntry(f"{path.name} is gone") from None
+            if not want(st.st_mode):
+                raise InvalidEntry(f"{path} is not a plain {'directory' if want is stat.S_ISDIR else 'file'} "
+                                   f"(a symbolic link?)")
+            _private(path, st, InvalidEntry)
 
     def entries(self) -> Iterator[Entry]:
         """Every complete entry (manifest present), without hashing the .so files."""
@@ -430,7 +465,9 @@ class Cache:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         target = self.entry_dir(key)
-        if target.exists():  # an invalid entry we decided to replace
+        if target.is_symlink():  # (not ours to follow: replaced by ours)
+            target.unlink()
+        elif target.exists():  # an invalid entry we decided to replace
             shutil.rmtree(target, ignore_errors=True)
         os.rename(staging, target)
         built.path = target / so.name
@@ -475,6 +512,19 @@ class Cache:
             yield True
         finally:
             os.close(fd)
+
+
+def _private(path: Path, st: os.stat_result, error: Callable[[str], Exception]) -> None:
+    """Raise error(...) unless `st` (an lstat of `path`) is a directory or file of ours (or root's)
+    that others cannot write, and not a symbolic link."""
+    if stat.S_ISLNK(st.st_mode):
+        raise error(f"{path} is a symbolic link; kernelgen loads code only from its own directories")
+    if st.st_uid not in (os.getuid(), 0):
+        raise error(f"{path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); loading code from it "
+                    f"would run another user's binaries")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise error(f"{path} is writable by other users (mode {stat.filemode(st.st_mode)}); run "
+                    f"`chmod go-w {path}` or `kernelgen cache clear`")
 
 
 def _age(path: Path) -> float:

@@ -388,3 +388,68 @@ def test_a_build_in_another_pid_namespace_is_not_swept(tmp_path):
         holder.wait(timeout=60)
     cache._sweep_staging()  # the builder is gone (its lock released): its leftovers go
     assert not staging.exists()
+
+
+# -- item 6: every directory code is loaded from is checked, without following links, at each load ------
+
+def test_an_entries_directory_writable_by_others_is_refused(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    (root / "entries").chmod(0o777)
+    r = run(root, A, check=False)
+    assert r["rc"] == 1 and "CacheError" in r["stderr"] and "writable by other users" in r["stderr"], r["stderr"]
+
+
+@pytest.mark.parametrize("damage", ["entry_mode", "so_mode", "so_symlink", "entry_symlink", "so_owner"])
+def test_an_entry_not_ours_alone_is_rebuilt_not_loaded(tmp_path, damage):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    (entry,) = (root / "entries").iterdir()
+    (so,) = entry.glob("*.so")
+    if damage == "entry_mode":
+        entry.chmod(0o777)
+    elif damage == "so_mode":
+        so.chmod(0o666)
+    elif damage == "so_symlink":
+        elsewhere = tmp_path / so.name
+        so.rename(elsewhere)
+        so.symlink_to(elsewhere)
+    elif damage == "entry_symlink":
+        elsewhere = tmp_path / "elsewhere"
+        entry.rename(elsewhere)
+        entry.symlink_to(elsewhere)
+    else:
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(so, 12345, 12345)
+    again = run(root, A)
+    assert again["agree"] == [True] and again["compiles"] == 1
+
+
+def test_a_root_swapped_for_a_link_under_a_running_process_is_refused(tmp_path):
+    root = tmp_path / "cache"
+    assert run(root, A)["agree"] == [True]
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import torch, kernelgen
+        from kernelgen import functional, kernels
+        from kernelgen.errors import CacheError
+        root = os.environ["KERNELGEN_CACHE_DIR"]
+        x, w = torch.randn(2, 3, 11, 11), torch.randn(5, 3, 3, 3)
+        kernelgen.conv2d(x, w, padding=1)
+        cache = kernels.default_cache()
+        os.rename(root, root + ".real")      # the checked root swapped for a link to another directory
+        os.symlink(root + ".real", root)
+        kernels._memo.clear(); kernels._by_key.clear(); functional.clear_plans()  # (the Cache object stays)
+        try:
+            kernelgen.conv2d(x, w, padding=1)
+        except CacheError as exc:
+            print("refused:", exc)
+        else:
+            print("loaded")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, KERNELGEN_CACHE_DIR=str(root)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("refused:") and "symbolic link" in r.stdout, r.stdout
