@@ -27,6 +27,7 @@ import importlib.machinery
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kernelgen")
 
 MANIFEST = "manifest.json"
+# manifest fields read by `cache ls/info/prune/export` and `doctor`, and their types (a wrong one
+# makes the entry invalid rather than breaking those commands)
+_MANIFEST_TYPES = {"spec": {}, "toolchain": {}, "summary": "", "family": "", "sources": [], "so": {}}
 VERIFIED = "verified.json"  # inode, size, mtime, ctime and sha256 of the .so when it was last hashed
 FORMAT = 1
 
@@ -242,6 +246,10 @@ class Cache:
             theirs = manifest.get("toolchain")
             if not isinstance(theirs, dict) or any(theirs.get(k) != v for k, v in expect.items()):
                 raise InvalidEntry("built by another toolchain")
+        created = manifest.get("created", 0)
+        if (isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created)
+                or any(not isinstance(manifest.get(f, d), type(d)) for f, d in _MANIFEST_TYPES.items())):
+            raise InvalidEntry("manifest fields of the wrong type")
         name = manifest.get("name")
         if not isinstance(name, str) or not name.startswith(f"kg_{key}_") or not name.isidentifier():
             raise InvalidEntry("manifest names no valid module")
@@ -249,7 +257,8 @@ class Cache:
             raise InvalidEntry("built for another convolution than the one asked for")
         entry = Entry(key=key, path=path, manifest=manifest)
         so = manifest.get("so") or {}
-        if not isinstance(so, dict):
+        if not isinstance(so, dict) or isinstance(so.get("size"), bool) or not isinstance(so.get("size"), int) \
+                or not isinstance(so.get("sha256"), str):
             raise InvalidEntry("manifest names no valid .so")
         if not isinstance(so.get("file"), str) or "/" in so["file"] or so["file"].startswith("."):
             raise InvalidEntry("manifest names no valid .so")
