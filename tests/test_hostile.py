@@ -216,3 +216,11 @@ def test_unbatched_channels_last_plans_prepare_a_4d_input():
     plan = functional._plan(lambda *a: None, "0" * 64, [True, 1, 16, 6, 6, 8, 8, True, None], "nhwc", x, w, None)
     y = functional._run(plan, x, w, None)
     assert y.shape == (16, 6, 6)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 54 item 4, open: kernels skip padded taps, where torch multiplies "
+                                       "the zeros (0 * inf = NaN); fixing it costs a pass over every padded call")
+def test_a_non_finite_weight_with_zero_padding_gives_torchs_nan(fresh_cache):
+    x, w = torch.randn(1, 1, 4, 4), torch.randn(1, 1, 3, 3)
+    w[0, 0, 0, 0] = float("inf")
+    _same(kernelgen.conv2d(x, w, padding=1), F.conv2d(x, w, padding=1))
