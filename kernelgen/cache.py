@@ -27,6 +27,7 @@ import importlib.machinery
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -50,7 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kernelgen")
 
 MANIFEST = "manifest.json"
-VERIFIED = "verified.json"  # inode, size, mtime and sha256 of the .so when it was last hashed
+# manifest fields read by `cache ls/info/prune/export` and `doctor`, and their types (a wrong one
+# makes the entry invalid rather than breaking those commands)
+_MANIFEST_TYPES = {"spec": {}, "toolchain": {}, "summary": "", "family": "", "sources": [], "so": {}}
+VERIFIED = "verified.json"  # inode, size, mtime, ctime and sha256 of the .so when it was last hashed
 FORMAT = 1
 
 
@@ -163,6 +167,8 @@ class Cache:
         self.root = Path(root) if root is not None else config.cache_dir()
         self.lock_timeout = config.lock_timeout() if lock_timeout is None else lock_timeout
         self._checked = False
+        self._root_id: tuple[int, int] | None = None
+        self._root_link = False
         self.writable = True
 
     # -- the directory -----------------------------------------------------------------
@@ -190,6 +196,8 @@ class Cache:
             raise _cache_error(f"the kernelgen cache directory {self.root} is writable by other users "
                                f"(mode {stat.filemode(st.st_mode)}); run `chmod 700 {self.root}` or set "
                                f"KERNELGEN_CACHE_DIR to a private directory.")
+        self._root_id = (st.st_dev, st.st_ino)
+        self._root_link = os.path.islink(self.root)  # (a root configured as a link stays one)
         self.writable = os.access(self.root, os.W_OK)
         if self.writable:
             # One directory listing instead of five mkdir calls that fail with EEXIST:
@@ -206,12 +214,15 @@ class Cache:
 
     # -- reading -----------------------------------------------------------------------
     def read_entry(self, key: str, toolchain: Toolchain | None = None, verify_so: bool = True,
-                   expect: dict | None = None) -> Entry:
+                   expect: dict | None = None, spec: ConvSpec | None = None, rehash: bool = False) -> Entry:
         """The complete, verified entry for `key`; InvalidEntry (or FileNotFoundError) otherwise.
 
         toolchain: the entry must have been built by it (its runtime fields, where the
             local compilers are unknown). expect: toolchain fields that must match (the
             cheap subset a plan record's caller can name without building a Toolchain).
+            spec: the entry must have been built for it (an index record found the key; a swapped
+            or edited one would otherwise load another convolution's kernel).
+            rehash: hash the .so even where verified.json says this very file was hashed before.
         """
         path = self.entry_dir(key)
         try:
@@ -235,8 +246,20 @@ class Cache:
             theirs = manifest.get("toolchain")
             if not isinstance(theirs, dict) or any(theirs.get(k) != v for k, v in expect.items()):
                 raise InvalidEntry("built by another toolchain")
+        created = manifest.get("created", 0)
+        if (isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created)
+                or any(not isinstance(manifest.get(f, d), type(d)) for f, d in _MANIFEST_TYPES.items())):
+            raise InvalidEntry("manifest fields of the wrong type")
+        name = manifest.get("name")
+        if not isinstance(name, str) or not name.startswith(f"kg_{key}_") or not name.isidentifier():
+            raise InvalidEntry("manifest names no valid module")
+        if spec is not None and manifest.get("spec") != json.loads(spec.to_json()):
+            raise InvalidEntry("built for another convolution than the one asked for")
         entry = Entry(key=key, path=path, manifest=manifest)
         so = manifest.get("so") or {}
+        if not isinstance(so, dict) or isinstance(so.get("size"), bool) or not isinstance(so.get("size"), int) \
+                or not isinstance(so.get("sha256"), str):
+            raise InvalidEntry("manifest names no valid .so")
         if not isinstance(so.get("file"), str) or "/" in so["file"] or so["file"].startswith("."):
             raise InvalidEntry("manifest names no valid .so")
         if verify_so:
@@ -248,10 +271,11 @@ class Cache:
                 raise InvalidEntry(f"{so['file']} is {st.st_size} bytes, the manifest says {so.get('size')} "
                                    f"(truncated?)")
             # Hashing the .so is the slowest part of a warm start: skip it when the file is
-            # the very one a previous process hashed (same inode, size and mtime).
-            seen = [st.st_ino, st.st_size, st.st_mtime_ns, so.get("sha256")]
+            # the very one a previous process hashed (same inode, size, mtime and ctime: a
+            # rewrite in place can put the mtime back, not the ctime).
+            seen = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, so.get("sha256")]
             try:
-                verified = json.loads((path / VERIFIED).read_bytes()) == seen
+                verified = not rehash and json.loads((path / VERIFIED).read_bytes()) == seen
             except (OSError, ValueError):
                 verified = False
             if not verified:
@@ -262,19 +286,53 @@ class Cache:
                         _atomic_write(path / VERIFIED, json.dumps(seen))
         return entry
 
-    def load(self, key: str, toolchain: Toolchain | None, expect: dict | None = None) -> ModuleType:
-        """Import the verified entry `key` (see read_entry for toolchain and expect)."""
-        entry = self.read_entry(key, toolchain, expect=expect)
+    def load(self, key: str, toolchain: Toolchain | None, expect: dict | None = None,
+             spec: ConvSpec | None = None) -> ModuleType:
+        """Import the verified entry `key` (see read_entry for toolchain, expect and spec). The module's
+        KG_SPEC is the manifest's spec (a dict), for callers that hold only a key (plan records)."""
+        entry = self.read_entry(key, toolchain, expect=expect, spec=spec)
+        self._check_code_path(entry)
         try:
             module = _import_so(entry.manifest["name"], entry.so_path)
         except ImportError as exc:
             raise InvalidEntry(f"cannot import {entry.so_path.name}: {exc}") from None
         if getattr(module, "KG_ABI", None) != ABI_VERSION:
             raise InvalidEntry("module's ABI revision does not match")
+        module.KG_SPEC = entry.manifest.get("spec")
         if self.writable:
             with contextlib.suppress(OSError):
                 (entry.path / "last_used").touch()
         return module
+
+    def _check_code_path(self, entry: Entry) -> None:
+        """Before importing `entry`'s .so: the root, entries/, the entry and the .so itself are ours
+        (or root's), not writable by others, and not symbolic links (lstat: a link swapped in since
+        the root was checked is seen). A few lstat calls, once per kernel and process. The root or
+        entries/ failing is a CacheError (nothing under it may be run); the entry, an InvalidEntry
+        (rebuilt by us)."""
+        try:
+            st = os.lstat(self.root)
+            if stat.S_ISLNK(st.st_mode):
+                if not self._root_link:
+                    raise _cache_error(f"the kernelgen cache directory {self.root} was replaced by a symbolic link "
+                                       f"since it was checked; refusing to load code through it")
+                st = os.stat(self.root)
+            if (st.st_dev, st.st_ino) != self._root_id:  # made again (rm -rf) or swapped: check it afresh
+                self._checked = False
+                self.ensure()
+            sub = os.lstat(self.root / "entries")
+        except FileNotFoundError:
+            raise InvalidEntry("the cache directory is gone") from None
+        _private(self.root / "entries", sub, _cache_error)
+        for path, want in ((entry.path, stat.S_ISDIR), (entry.so_path, stat.S_ISREG)):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                raise InvalidEntry(f"{path.name} is gone") from None
+            if not want(st.st_mode):
+                raise InvalidEntry(f"{path} is not a plain {'directory' if want is stat.S_ISDIR else 'file'} "
+                                   f"(a symbolic link?)")
+            _private(path, st, InvalidEntry)
 
     def entries(self) -> Iterator[Entry]:
         """Every complete entry (manifest present), without hashing the .so files."""
@@ -294,8 +352,13 @@ class Cache:
         return key if isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key) else None
 
     def index_put(self, lookup: str, key: str) -> None:
+        """Best effort: the index only saves a render next time, so a full or read-only disk must
+        not fail the call that found or built the entry."""
         if self.writable:
-            _atomic_write(self.root / "index" / f"{lookup}.json", json.dumps({"key": key}))
+            try:
+                _atomic_write(self.root / "index" / f"{lookup}.json", json.dumps({"key": key}))
+            except OSError as exc:
+                log.debug("kernelgen: cannot write the index record %s (%s)", lookup[:16], exc)
 
     # -- locking -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -331,15 +394,18 @@ class Cache:
         lookup = lookup_key(spec, toolchain)
         key = self.index_get(lookup)
         if key is not None:
-            module = self._try_load(key, toolchain)
+            module = self._try_load(key, toolchain, spec=spec)
             if module is not None:
                 return module, key, False
         rendered = render(spec)
         key = cache_key(spec, rendered, toolchain)
-        module = self._try_load(key, toolchain)
+        module = self._try_load(key, toolchain, spec=spec)
         if module is not None:
             self.index_put(lookup, key)
             return module, key, False
+        if self.writable and not (self.root / "locks").is_dir():  # removed under us (rm -rf): make it again
+            self._checked = False
+            self.ensure()
         if not self.writable:
             log.warning("kernelgen cache %s is read-only: building %s in a temporary directory "
                         "(it will not be kept)", self.root, spec.summary())
@@ -349,21 +415,27 @@ class Cache:
                 if on_compile:
                     on_compile(spec, key, built)
                 return built.module, key, True
-        with self.lock(key):
-            module = self._try_load(key, toolchain, quiet=False)  # built by another process while we waited?
-            if module is not None:
-                self.index_put(lookup, key)
-                return module, key, False
-            built = self._build_entry(spec, rendered, toolchain, key)
+        try:
+            with self.lock(key):
+                module = self._try_load(key, toolchain, quiet=False, spec=spec)  # built by another process meanwhile?
+                if module is not None:
+                    self.index_put(lookup, key)
+                    return module, key, False
+                built = self._build_entry(spec, rendered, toolchain, key)
+        except OSError as exc:
+            if exc.errno in _NO_ROOM:
+                raise _no_room(self.root, exc) from exc
+            raise
         self.index_put(lookup, key)
         if on_compile:
             on_compile(spec, key, built)
         return built.module, key, True
 
-    def _try_load(self, key: str, toolchain: Toolchain, quiet: bool = True) -> ModuleType | None:
+    def _try_load(self, key: str, toolchain: Toolchain, quiet: bool = True,
+                  spec: ConvSpec | None = None) -> ModuleType | None:
         """The entry's module, or None. Only the check made under the lock reports a bad entry."""
         try:
-            return self.load(key, toolchain)
+            return self.load(key, toolchain, spec=spec)
         except FileNotFoundError:
             return None
         except InvalidEntry as exc:
@@ -373,7 +445,7 @@ class Cache:
 
     def _build_entry(self, spec: ConvSpec, rendered: Rendered, toolchain: Toolchain, key: str) -> Built:
         """Build in staging, verify, write the manifest last, rename into place. Caller holds the lock."""
-        self._sweep_staging()
+        self._sweep_staging(held=key)
         staging = self.root / "staging" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         staging.mkdir(mode=0o700)
         name = module_name(key)
@@ -383,8 +455,10 @@ class Cache:
         except Exception:
             failed = self.root / "failed" / key
             shutil.rmtree(failed, ignore_errors=True)
-            with contextlib.suppress(OSError):
+            try:
                 os.rename(staging, failed)
+            except OSError:
+                shutil.rmtree(staging, ignore_errors=True)
             raise
         so = built.path
         manifest = {
@@ -394,42 +468,103 @@ class Cache:
             "so": {"file": so.name, "size": so.stat().st_size, "sha256": file_sha256(so)},
             "sources": ["main.cpp"] + (["cuda.cu"] if rendered.cuda is not None else []),
         }
-        _atomic_write(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        try:
+            _atomic_write(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         target = self.entry_dir(key)
-        if target.exists():  # an invalid entry we decided to replace
+        if target.is_symlink():  # (not ours to follow: replaced by ours)
+            target.unlink()
+        elif target.exists():  # an invalid entry we decided to replace
             shutil.rmtree(target, ignore_errors=True)
         os.rename(staging, target)
         built.path = target / so.name
         log.info("kernelgen: compiled %s in %.1f s", spec.summary(), built.seconds)
         return built
 
-    def _sweep_staging(self) -> None:
-        """Remove staging directories whose builder process is gone (killed mid-build)."""
+    def _sweep_staging(self, held: str | None = None) -> None:
+        """Remove staging directories nobody is building in (a builder killed mid-build).
+
+        A build's directory is named after its key, and its builder holds the key's lock until the
+        build is renamed into place: a lock we can take means no process, in this PID namespace
+        or another sharing the cache, is building there. (A process ID says nothing across
+        containers.) Other leftovers (an interrupted import, an entry's trash) carry no lock and
+        are removed once a day old. `held`: a key whose lock the caller holds (its leftovers go)."""
         base = self.root / "staging"
         for path in base.iterdir() if base.is_dir() else ():
-            parts = path.name.split(".")
-            pid = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
-            if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+            key = path.name.split(".")[0]
+            if key == held:
+                shutil.rmtree(path, ignore_errors=True)
+            elif len(key) == 64 and all(c in "0123456789abcdef" for c in key):
+                with self._try_lock(key) as free:
+                    if free:
+                        shutil.rmtree(path, ignore_errors=True)
+            elif _age(path) > 86400:
                 shutil.rmtree(path, ignore_errors=True)
 
+    @contextlib.contextmanager
+    def _try_lock(self, key: str) -> Iterator[bool]:
+        """Hold `key`'s lock if it is free now (True), else yield False at once. (Held by this very
+        process through another descriptor counts as taken: flock locks are per open file.)"""
+        try:
+            fd = os.open(self.root / "locks" / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
-def _pid_alive(pid: int) -> bool:
+
+def _private(path: Path, st: os.stat_result, error: Callable[[str], Exception]) -> None:
+    """Raise error(...) unless `st` (an lstat of `path`) is a directory or file of ours (or root's)
+    that others cannot write, and not a symbolic link."""
+    if stat.S_ISLNK(st.st_mode):
+        raise error(f"{path} is a symbolic link; kernelgen loads code only from its own directories")
+    if st.st_uid not in (os.getuid(), 0):
+        raise error(f"{path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); loading code from it "
+                    f"would run another user's binaries")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise error(f"{path} is writable by other users (mode {stat.filemode(st.st_mode)}); run "
+                    f"`chmod go-w {path}` or `kernelgen cache clear`")
+
+
+def _age(path: Path) -> float:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return time.time() - path.lstat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """Write `path` whole or not at all; a failed write (a full disk) leaves no temporary behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _no_room(root: Path, exc: OSError) -> Exception:
+    return _cache_error(f"no space left for the kernelgen cache {root} ({exc.strerror}: {exc.filename}); free some "
+                        f"space, run `kernelgen cache prune --max-size SIZE`, or set KERNELGEN_CACHE_DIR to "
+                        f"another disk")
 
 
 __all__ = ["Cache", "Entry", "InvalidEntry", "cache_key", "lookup_key", "module_name", "template_dir"]

@@ -20,6 +20,7 @@ computes for its spec (templates that differ would render other code).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -31,17 +32,22 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ._version import __version__
 from .cache import MANIFEST, Cache, InvalidEntry, cache_key, file_sha256, lookup_key
-from .errors import KernelgenError
+from .errors import CacheError, KernelgenError
 from .spec import ConvSpec
 from .toolchain import Toolchain
 
 ARCHIVE_MANIFEST = "kernelgen-export.json"
+ARCHIVE_SIGNATURE = "kernelgen-export.sig"  # HMAC-SHA256 of the archive manifest, which lists every file's sha256
 ARCHIVE_FORMAT = 1
 MAX_MEMBER_BYTES = 1 << 31  # a kernel .so is a few MB; anything near this is not one of ours
+MAX_ARCHIVE_BYTES = 1 << 34  # 16 GiB in all: thousands of kernels
+MAX_ARCHIVE_MEMBERS = 50_000
+MAX_MANIFEST_BYTES = 64 << 20
+_MAC_CONTEXT = b"kernelgen-archive-v1\0"
 _KEY = r"[0-9a-f]{64}"
 _FILE_MEMBER = re.compile(rf"entries/({_KEY})/([A-Za-z0-9_][A-Za-z0-9_.-]{{0,200}})")
 _DIR_MEMBER = re.compile(rf"entries(/{_KEY})?/?")
@@ -169,7 +175,7 @@ def entry_details(cache: Cache, key: str) -> dict[str, Any]:
     key = resolve_key(cache, key)
     path = cache.entry_dir(key)
     try:
-        entry = cache.read_entry(key, verify_so=True)
+        entry = cache.read_entry(key, verify_so=True, rehash=True)
         status = "ok"
         manifest = entry.manifest
     except (InvalidEntry, FileNotFoundError) as exc:
@@ -218,9 +224,43 @@ def _drop_stale_index(cache: Cache) -> None:
                 path.unlink()
 
 
+def _young(path: Path, seconds: float = 3600.0) -> bool:
+    """Whether `path` was modified within `seconds` (False if it is gone)."""
+    try:
+        return time.time() - path.lstat().st_mtime < seconds
+    except OSError:
+        return False
+
+
+def _writable(cache: Cache, verb: str) -> None:
+    """Raise a CacheError saying what is wrong where the cache cannot be changed (a read-only disk
+    or directory), rather than failing half-way with a traceback."""
+    cache.ensure()
+    if not cache.writable:
+        raise CacheError(f"cannot {verb} the kernelgen cache {cache.root}: it is read-only (for you, or its "
+                         f"filesystem); nothing was removed. Run this as its owner, or on a writable copy")
+
+
+@contextlib.contextmanager
+def _removing(cache: Cache, verb: str) -> Iterator[None]:
+    """Turn a permission or read-only error met while removing into a CacheError naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise CacheError(f"cannot {verb} the kernelgen cache {cache.root}: {exc.strerror} ({exc.filename}); "
+                             f"part of it may already be removed") from None
+        raise
+
+
 def clear(cache: Cache) -> int:
     """Remove every entry, index file, plan record and failed build; returns the number of entries removed."""
-    cache.ensure()
+    _writable(cache, "clear")
+    with _removing(cache, "clear"):
+        return _clear(cache)
+
+
+def _clear(cache: Cache) -> int:
     removed = 0
     base = cache.root / "entries"
     for path in sorted(base.iterdir()) if base.is_dir() else ():
@@ -230,6 +270,8 @@ def clear(cache: Cache) -> int:
         if not (cache.root / sub).is_dir():
             continue
         for path in (cache.root / sub).iterdir():
+            if path.name.endswith(".tmp") and _young(path):
+                continue  # another process is writing it: its rename would fail (left over: removed later)
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -245,7 +287,10 @@ def prune(cache: Cache, max_size: int | None = None, older_than: float | None = 
     dry_run, would be) removed."""
     if max_size is None and older_than is None:
         raise ValueError("prune needs --max-size, --older-than or both")
-    cache.ensure()
+    if dry_run:
+        cache.ensure()
+    else:
+        _writable(cache, "prune")
     now = time.time() if now is None else now
     entries = sorted(list_entries(cache), key=lambda e: e.last_used)  # least recently used first
     doomed = [e for e in entries if older_than is not None and now - e.last_used > older_than]
@@ -258,19 +303,60 @@ def prune(cache: Cache, max_size: int | None = None, older_than: float | None = 
             doomed.append(e)
             total -= e.size
     if not dry_run:
-        doomed = [e for e in doomed if _remove_entry(cache, e.key)]
-        _drop_stale_index(cache)
+        with _removing(cache, "prune"):
+            doomed = [e for e in doomed if _remove_entry(cache, e.key)]
+            _drop_stale_index(cache)
     return doomed
+
+
+# ---------------------------------------------------------------------------- signing
+
+
+def new_secret(path: str | Path) -> None:
+    """Write a fresh random 256-bit secret (hex) to `path`, readable by its owner only; refuses to
+    overwrite a file."""
+    import secrets
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+
+
+def read_secret(path: str | Path) -> bytes:
+    """The secret in `path` (ArchiveError if it is missing, too short, or readable by others)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ArchiveError(f"cannot read the archive secret {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        data = f.read(4096).strip()
+    if st.st_mode & 0o077:
+        raise ArchiveError(f"the archive secret {path} is readable by other users (mode {oct(st.st_mode & 0o777)}); "
+                           f"run `chmod 600 {path}`")
+    if len(data) < 32:
+        raise ArchiveError(f"the archive secret {path} holds {len(data)} bytes; use at least 32 "
+                           f"(`kernelgen cache keygen FILE` writes one)")
+    return data
+
+
+def _mac(secret: bytes, manifest: bytes) -> str:
+    import hmac
+
+    return hmac.new(secret, _MAC_CONTEXT + manifest, hashlib.sha256).hexdigest()
 
 
 # ---------------------------------------------------------------------------- export
 
 
-def export(cache: Cache, archive: str | Path, keys: Sequence[str] | None = None) -> list[str]:
+def export(cache: Cache, archive: str | Path, keys: Sequence[str] | None = None,
+           secret: bytes | None = None) -> list[str]:
     """Write the verified entries (all, or those of `keys`/prefixes) to a tar.gz; returns their keys.
 
     Only the manifest, the .so and the rendered sources go in; the archive manifest
-    lists every file's size and sha256. Entries that do not verify are left out.
+    lists every file's size and sha256. Entries that do not verify are left out. With a `secret`
+    (read_secret), the archive manifest is signed (HMAC-SHA256), so an importer holding the same
+    secret knows the archive came from someone who holds it and was not changed since.
     """
     wanted = {resolve_key(cache, k) for k in keys} if keys else None
     chosen: list[tuple[str, list[Path]]] = []
@@ -294,6 +380,9 @@ def export(cache: Cache, archive: str | Path, keys: Sequence[str] | None = None)
         with tarfile.open(tmp, "w:gz") as tar:
             data = json.dumps(manifest, indent=1, sort_keys=True).encode()
             _add_bytes(tar, ARCHIVE_MANIFEST, data)
+            if secret is not None:
+                sig = {"alg": "hmac-sha256", "mac": _mac(secret, data)}
+                _add_bytes(tar, ARCHIVE_SIGNATURE, json.dumps(sig).encode())
             for key, files in chosen:
                 for p in files:
                     with open(p, "rb") as f:
@@ -338,8 +427,13 @@ def _check_members(tar: tarfile.TarFile) -> tuple[dict[str, tarfile.TarInfo], di
     top: dict[str, tarfile.TarInfo] = {}
     files: dict[str, dict[str, tarfile.TarInfo]] = {}
     seen: set[str] = set()
-    for m in tar.getmembers():
+    total = 0
+    for m in tar:  # (one header at a time: the caps stop a hostile archive before it is all read)
         name = m.name
+        total += m.size
+        if len(seen) >= MAX_ARCHIVE_MEMBERS or total > MAX_ARCHIVE_BYTES:
+            raise ArchiveError(f"the archive holds more than {MAX_ARCHIVE_MEMBERS} files or "
+                               f"{human_size(MAX_ARCHIVE_BYTES)}; refusing it")
         if name in seen:
             raise ArchiveError(f"member {name!r} appears twice in the archive")
         seen.add(name)
@@ -351,7 +445,9 @@ def _check_members(tar: tarfile.TarFile) -> tuple[dict[str, tarfile.TarInfo], di
             raise ArchiveError(f"member {name!r} is {kind}; a kernelgen archive holds regular files only")
         if m.size > MAX_MEMBER_BYTES:
             raise ArchiveError(f"member {name!r} is {m.size} bytes, more than any kernel; refusing the archive")
-        if name == ARCHIVE_MANIFEST:
+        if name in (ARCHIVE_MANIFEST, ARCHIVE_SIGNATURE):
+            if m.size > MAX_MANIFEST_BYTES:
+                raise ArchiveError(f"{name} is {m.size} bytes; refusing the archive")
             top[name] = m
             continue
         match = _FILE_MEMBER.fullmatch(name)
@@ -364,11 +460,45 @@ def _check_members(tar: tarfile.TarFile) -> tuple[dict[str, tarfile.TarInfo], di
     return top, files
 
 
-def _read_archive_manifest(tar: tarfile.TarFile, member: tarfile.TarInfo,
-                           files: dict[str, dict[str, tarfile.TarInfo]]) -> dict[str, dict[str, dict]]:
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     try:
-        manifest = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
-    except (OSError, ValueError, AttributeError, tarfile.TarError) as exc:
+        return tar.extractfile(member).read()  # type: ignore[union-attr]
+    except (OSError, AttributeError, tarfile.TarError) as exc:
+        raise ArchiveError(f"unreadable {member.name}: {exc}") from None
+
+
+def _check_signature(tar: tarfile.TarFile, top: dict[str, tarfile.TarInfo], data: bytes, secret: bytes | None,
+                     trust_unsigned: bool) -> None:
+    """Refuse an archive whose signature does not match `secret`, or an unsigned (or unverifiable)
+    one unless `trust_unsigned`: an archive carries binaries, and its checksums are its own."""
+    sig_member = top.get(ARCHIVE_SIGNATURE)
+    if sig_member is None:
+        if trust_unsigned:
+            return
+        raise ArchiveError("the archive is not signed. An archive carries compiled code that kernelgen did not "
+                           "build here, and its checksums are its own: sign exports with `--secret FILE` and "
+                           "import with the same secret, or pass --trust-unsigned for an archive you trust")
+    if secret is None:
+        if trust_unsigned:
+            return
+        raise ArchiveError("the archive is signed, but no secret was given to check it: pass --secret FILE "
+                           "(or --trust-unsigned)")
+    import hmac
+
+    try:
+        sig = json.loads(_member_bytes(tar, sig_member))
+        mac = sig["mac"] if isinstance(sig, dict) and sig.get("alg") == "hmac-sha256" else None
+    except (ValueError, KeyError, TypeError):
+        mac = None
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(secret, data)):
+        raise ArchiveError("the archive's signature does not match your secret: it was signed with another "
+                           "secret, or changed after it was signed")
+
+
+def _read_archive_manifest(data: bytes, files: dict[str, dict[str, tarfile.TarInfo]]) -> dict[str, dict[str, dict]]:
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
         raise ArchiveError(f"unreadable {ARCHIVE_MANIFEST}: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != ARCHIVE_FORMAT \
             or not isinstance(manifest.get("entries"), dict):
@@ -396,11 +526,15 @@ def _toolchain_problem(tc: dict, local: Toolchain) -> str | None:
     return "built by another toolchain: " + "; ".join(diffs) if diffs else None
 
 
-def import_archive(cache: Cache, archive: str | Path, archs: Sequence[str] | None = None) -> list[ImportOutcome]:
+def import_archive(cache: Cache, archive: str | Path, archs: Sequence[str] | None = None,
+                   secret: bytes | None = None, trust_unsigned: bool = False) -> list[ImportOutcome]:
     """Import the entries of a `kernelgen cache export` archive into `cache`.
 
     archs: CUDA targets to accept (default: the local GPU's, or every arch where no GPU
         is visible, e.g. while building a container image).
+    secret: the secret the archive must be signed with (read_secret); an unsigned archive, or a
+        signed one without a secret to check it, is refused unless `trust_unsigned`. The
+        checksums inside an archive are its own: only a signature says who made it.
     Raises ArchiveError, before writing anything, when the archive is unreadable or any
     member is not a plain cache file. Per entry the outcome says 'imported',
     'present', 'skipped' (another toolchain or arch, or other kernelgen sources) or
@@ -423,7 +557,9 @@ def import_archive(cache: Cache, archive: str | Path, archs: Sequence[str] | Non
     with tar:
         try:
             top, files = _check_members(tar)
-            listed = _read_archive_manifest(tar, top[ARCHIVE_MANIFEST], files)
+            data = _member_bytes(tar, top[ARCHIVE_MANIFEST])
+            _check_signature(tar, top, data, secret, trust_unsigned)
+            listed = _read_archive_manifest(data, files)
         except _READ_ERRORS as exc:
             raise ArchiveError(f"cannot read {archive}: {exc}") from None
         (staging / "entries").mkdir(parents=True, mode=0o700)
@@ -522,4 +658,5 @@ def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path) -> tuple
 
 
 __all__ = ["ArchiveError", "EntryInfo", "ImportOutcome", "clear", "entry_details", "export", "human_age",
-           "human_size", "import_archive", "list_entries", "parse_age", "parse_size", "prune", "resolve_key"]
+           "human_size", "import_archive", "list_entries", "new_secret", "parse_age", "parse_size", "prune",
+           "read_secret", "resolve_key"]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConvArgumentError
-from .spec import DTYPES, ConvSpec, canonical_dtype, index, pair
+from .layout import is_channels_last  # noqa: F401 (part of this module's API)
+from .spec import DTYPES, INT_MAX, ConvSpec, bounded, canonical_dtype, index, pair
 
 _FLOAT_DTYPES = {getattr(torch, name) for name in DTYPES}
 
@@ -37,27 +38,6 @@ class Call:
 
 def _size(t: torch.Tensor) -> list[int]:
     return list(t.shape)
-
-
-def is_channels_last(t: torch.Tensor) -> bool:
-    """Whether torch's Tensor.suggest_memory_format() says channels_last for `t`: what decides
-    F.conv2d's output format, so ambiguous tensors (size-1 dimensions, views) must read alike.
-
-    Read from the channels outwards (C, W, H, N), each stride must reach at least the span of
-    the dimensions before it. No channels_last for a zero channel stride, an empty dimension, or
-    a batch stride equal to the channel stride (an N111 tensor, or an N11W one sliced down to a
-    column: torch keeps NCHW for those)."""
-    if t.dim() != 4:
-        return False
-    size, stride = t.shape, t.stride()
-    if stride[1] == 0:
-        return False
-    span = 0
-    for d in (1, 3, 2, 0):
-        if size[d] == 0 or stride[d] < span or (d == 0 and span == stride[1]):
-            return False
-        span = stride[d] * size[d]
-    return True
 
 
 def check_tensors(input, weight, bias) -> None:
@@ -91,6 +71,8 @@ def groups_arg(groups) -> int:
     g = index(groups)
     if g is None:
         raise TypeError(f"conv2d(): argument 'groups' must be int, not {type(groups).__name__}")
+    if not -(1 << 63) <= g < 1 << 63:
+        raise ConvArgumentError(f"Overflow when unpacking long long: groups={g} does not fit 64 bits")
     return g
 
 
@@ -146,10 +128,23 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device
     if ph < eh or pw < ew:
         raise ConvArgumentError(f"Calculated padded input size per channel: ({ph} x {pw}). Kernel size: "
                                 f"({eh} x {ew}). Kernel size can't be greater than actual input size")
+    if N > 0 and (H == 0 or W == 0):  # (padding made the window fit an empty plane)
+        raise ConvArgumentError(f"Only zero batch or zero channel inputs are supported, but got input shape: "
+                                f"{_size(input)}")
     P, Q = spec.output_size(H, W)
+    # Runtime sizes travel as 64-bit launch arguments, but the GPU kernels tile rows and planes
+    # with 32-bit indices: bound them, and the output's element count (which torch.empty would
+    # otherwise overflow while computing it).
+    bounded("the padded input height", ph)
+    bounded("the padded input width", pw)
+    bounded("the input's batch size", N)
+    if N * K * P * Q >= 1 << 63:
+        raise ConvArgumentError(f"the output of {N}x{K}x{P}x{Q} elements does not fit 64 bits")
     # F.conv2d's output format: channels_last when the input or the weight is, except
     # float64 on CUDA, where torch's backends return contiguous outputs.
-    channels_last = (not unbatched and (is_channels_last(input) or is_channels_last(weight))
+    # (an unbatched input is judged as torch judges it, unsqueezed: a channels_last weight makes the
+    # output channels_last there too)
+    channels_last = ((is_channels_last(input.unsqueeze(0) if unbatched else input) or is_channels_last(weight))
                      and not (device == "cuda" and input.dtype == torch.float64))
     return Call(unbatched=unbatched, N=N, C=C, H=H, W=W, K=K, P=P, Q=Q, channels_last=channels_last)
 
@@ -157,9 +152,41 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device
 def spec_params(input: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> dict:
     """The spec fields a call determines, after check_shapes, whose int `groups` it takes (family,
     layout, math, tiles come later)."""
+    kernel = (int(weight.shape[2]), int(weight.shape[3]))
+    stride, dilation = _fit(input, kernel, stride, padding, dilation)
     return dict(
         in_channels=int(weight.shape[1]) * groups, out_channels=int(weight.shape[0]),
-        kernel_size=(int(weight.shape[2]), int(weight.shape[3])),
+        kernel_size=kernel,
         stride=stride, padding=padding_arg(padding), dilation=dilation, groups=groups,
         dtype=canonical_dtype(input.dtype), bias=bias is not None,
     )
+
+
+def _fit(input: torch.Tensor, kernel: tuple[int, int], stride, padding, dilation):
+    """(stride, dilation) with values too large for a C++ int replaced by ones that compute the same
+    convolution on this input, as F.conv2d computes it: a stride past the padded input's last
+    window start takes one window (so does any stride from that span on), and a 1-wide kernel
+    reads one tap whatever its dilation. Anything else is left for the spec to refuse; common
+    calls return their arguments untouched (the plan signature still holds the caller's)."""
+    s, d = pair("stride", stride), pair("dilation", dilation)
+    pads = (0, 0) if isinstance(padding, str) else pair("padding", padding)
+    if max(*s, *d, *pads) <= INT_MAX or min(*s, *d, *pads) < 0 or min(*s, *d) == 0:
+        return stride, dilation  # (the spec explains non-positive values)
+    for i, p in enumerate(pads):
+        if p >= 1 << 62:  # torch's own limit, where 2 * padding would overflow
+            raise ConvArgumentError(f"Given padding={p} at dimension {i} , expected padding to be at most {(1 << 62) - 1}")
+    if isinstance(padding, str):
+        return stride, dilation
+    padded = [input.shape[-2 + i] + 2 * pads[i] for i in (0, 1)]
+    extent = [d[i] * (kernel[i] - 1) + 1 for i in (0, 1)]
+    if padded[0] < extent[0] or padded[1] < extent[1]:
+        raise ConvArgumentError(f"Calculated padded input size per channel: ({padded[0]} x {padded[1]}). Kernel size: "
+                                f"({extent[0]} x {extent[1]}). Kernel size can't be greater than actual input size")
+    s, d = list(s), list(d)
+    for i in (0, 1):
+        if d[i] > INT_MAX and kernel[i] == 1:
+            d[i] = 1
+        span = padded[i] - extent[i]  # the last window's start
+        if s[i] > INT_MAX and span < s[i]:
+            s[i] = span + 1
+    return tuple(s), tuple(d)

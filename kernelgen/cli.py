@@ -1,7 +1,7 @@
 """The `kernelgen` command: warm the kernel cache ahead of time, and manage it.
 
     kernelgen warm SPECFILE... | --examples | --model MODULE:CALLABLE --input-shape N,C,H,W
-    kernelgen cache ls | info KEY | clear | prune | export FILE | import FILE
+    kernelgen cache ls | info KEY | clear | prune | export FILE | import FILE | keygen FILE
     kernelgen render --input N,C,H,W --weight K,C,R,S [...]
     kernelgen doctor
 
@@ -36,6 +36,30 @@ class UsageError(Exception):
 
 def _err(message: str) -> None:
     print(f"kernelgen: {message}", file=sys.stderr)
+
+
+def _clean(value: Any) -> str:
+    """`value` as text safe to print: control and format characters (terminal escapes, carriage
+    returns, bidirectional overrides) from a manifest or an archive shown as escapes."""
+    import unicodedata
+
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else
+                   (repr(c)[1:-1] if unicodedata.category(c)[0] == "C" else "?") for c in text)
+
+
+def _secret(args) -> bytes | None:
+    from . import cache_admin as ca
+
+    path = getattr(args, "secret", None) or config.archive_secret()
+    if path is None:
+        return None
+    try:
+        return ca.read_secret(path)
+    except ca.ArchiveError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _dump(obj: Any) -> None:
@@ -375,8 +399,8 @@ def cmd_cache_ls(args) -> int:
         print(f"no entries in {cache.root}")
         return EXIT_OK
     rows = [("KEY", "FAMILY", "ARCH", "SIZE", "AGE", "USED", "SPEC")]
-    rows += [(e.key[:16], e.family, e.arch, ca.human_size(e.size), ca.human_age(now - e.created),
-              ca.human_age(now - e.last_used) + " ago", e.summary) for e in entries]
+    rows += [(e.key[:16], _clean(e.family), _clean(e.arch), ca.human_size(e.size), ca.human_age(now - e.created),
+              ca.human_age(now - e.last_used) + " ago", _clean(e.summary)) for e in entries]
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[6])
@@ -396,18 +420,21 @@ def cmd_cache_info(args) -> int:
         _dump(d)
     else:
         print(f"key:       {d['key']}")
-        print(f"status:    {d['status']}")
-        print(f"summary:   {d['summary']}")
-        print(f"path:      {d['path']}")
+        print(f"status:    {_clean(d['status'])}")
+        print(f"summary:   {_clean(d['summary'])}")
+        print(f"path:      {_clean(d['path'])}")
         for s in d["sources"]:
-            print(f"source:    {s}")
-        so = d.get("so") or {}
-        print(f"binary:    {so.get('file')} ({so.get('size')} bytes, sha256 {so.get('sha256')})")
-        print(f"built:     {time.ctime(d['created']) if d.get('created') else '?'} in {d.get('build_seconds')} s")
+            print(f"source:    {_clean(s)}")
+        so = d.get("so") if isinstance(d.get("so"), dict) else {}
+        print(f"binary:    {_clean(so.get('file'))} ({_clean(so.get('size'))} bytes, sha256 {_clean(so.get('sha256'))})")
+        created = d.get("created")
+        when = time.ctime(created) if isinstance(created, (int, float)) and 0 < created < 1e11 else "?"
+        print(f"built:     {when} in {_clean(d.get('build_seconds'))} s")
         print("spec:      " + json.dumps(d["spec"], sort_keys=True))
         print("toolchain:")
-        for k, v in (d.get("toolchain") or {}).items():
-            print(f"  {k}: {' '.join(v) if isinstance(v, list) else v}")
+        tc = d.get("toolchain") if isinstance(d.get("toolchain"), dict) else {}
+        for k, v in tc.items():
+            print(f"  {_clean(k)}: {_clean(' '.join(map(str, v)) if isinstance(v, list) else v)}")
     return EXIT_OK if d["status"] == "ok" else EXIT_FAILED
 
 
@@ -441,7 +468,7 @@ def cmd_cache_prune(args) -> int:
                "bytes": sum(e.size for e in removed)})
     else:
         for e in removed:
-            print(f"{verb} {e.key[:16]}  {ca.human_size(e.size)}  {e.summary}")
+            print(f"{verb} {e.key[:16]}  {ca.human_size(e.size)}  {_clean(e.summary)}")
         print(f"{verb} {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}, "
               f"{ca.human_size(sum(e.size for e in removed))} from {cache.root}")
     return EXIT_OK
@@ -452,7 +479,7 @@ def cmd_cache_export(args) -> int:
 
     cache = _cache(args)
     try:
-        keys = ca.export(cache, args.file, keys=args.key)
+        keys = ca.export(cache, args.file, keys=args.key, secret=_secret(args))
     except KeyError as exc:
         raise UsageError(exc.args[0]) from None
     except OSError as exc:
@@ -462,7 +489,9 @@ def cmd_cache_export(args) -> int:
     if args.json:
         _dump({"file": str(args.file), "keys": keys, "bytes": size})
     else:
-        print(f"exported {len(keys)} entr{'y' if len(keys) == 1 else 'ies'} to {args.file} ({ca.human_size(size)})")
+        signed = "signed" if _secret(args) is not None else "unsigned: importers need --trust-unsigned"
+        print(f"exported {len(keys)} entr{'y' if len(keys) == 1 else 'ies'} to {args.file} ({ca.human_size(size)}, "
+              f"{signed})")
     return EXIT_OK
 
 
@@ -472,7 +501,8 @@ def cmd_cache_import(args) -> int:
     archs = _archs(args.arch)
     cache = _cache(args)
     try:
-        outcomes = ca.import_archive(cache, args.file, archs=archs)
+        outcomes = ca.import_archive(cache, args.file, archs=archs, secret=_secret(args),
+                                     trust_unsigned=args.trust_unsigned)
     except ca.ArchiveError as exc:
         raise UsageError(f"refusing {args.file}: {exc}") from None
     counts = {s: sum(o.status == s for o in outcomes) for s in ("imported", "present", "skipped", "failed")}
@@ -480,11 +510,29 @@ def cmd_cache_import(args) -> int:
         _dump({"cache_dir": str(cache.root), **counts, "entries": [o.to_dict() for o in outcomes]})
     else:
         for o in outcomes:
-            line = f"{o.status:<8} {o.key[:16]}  {o.summary}"
-            print(line + (f"\n         {o.reason}" if o.reason and o.status != "present" else ""))
+            line = f"{o.status:<8} {_clean(o.key[:16])}  {_clean(o.summary)}"
+            print(line + (f"\n         {_clean(o.reason)}" if o.reason and o.status != "present" else ""))
         print(f"kernelgen cache import: {counts['imported']} imported, {counts['present']} already present, "
               f"{counts['skipped']} skipped, {counts['failed']} failed (cache {cache.root})")
     return EXIT_FAILED if counts["failed"] else EXIT_OK
+
+
+def cmd_cache_keygen(args) -> int:
+    from . import cache_admin as ca
+
+    try:
+        ca.new_secret(args.file)
+    except FileExistsError:
+        raise UsageError(f"{args.file} exists; refusing to overwrite a secret") from None
+    except OSError as exc:
+        _err(f"cannot write {args.file}: {exc.strerror}")
+        return EXIT_FAILED
+    if args.json:
+        _dump({"file": str(args.file)})
+    else:
+        print(f"wrote a new archive secret to {args.file} (mode 600): `kernelgen cache export --secret "
+              f"{args.file}` signs, `kernelgen cache import --secret {args.file}` verifies")
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------- render
@@ -538,8 +586,9 @@ def cmd_render(args) -> int:
 # ---------------------------------------------------------------------------- doctor
 
 
-def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(facts, problems that stop a compile here, notes)."""
+def _doctor_report(cache_dir: str | None, try_build: bool,
+                   verify: bool = False) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(facts, problems that stop a compile here, notes). `verify`: re-hash every entry's binary."""
     import torch
 
     from .cache import Cache
@@ -620,6 +669,18 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
         entries = list_entries(cache)
         cache_facts["entries"] = len(entries)
         cache_facts["bytes"] = sum(e.size for e in entries)
+        if verify:
+            from .cache import InvalidEntry
+
+            bad = []
+            for e in entries:
+                try:
+                    cache.read_entry(e.key, verify_so=True, rehash=True)
+                except (InvalidEntry, OSError) as exc:
+                    bad.append(e.key)
+                    problems.append(f"cache entry {e.key[:16]} does not verify ({exc}); `kernelgen cache clear` "
+                                    f"or a rebuild replaces it")
+            cache_facts["verified"] = len(entries) - len(bad)
     except CacheError as exc:
         cache_facts["writable"] = False
         problems.append(str(exc))
@@ -651,7 +712,7 @@ def _trial_builds(gpu: bool) -> dict[str, dict]:
 
 
 def cmd_doctor(args) -> int:
-    facts, problems, notes = _doctor_report(args.cache_dir, args.try_build)
+    facts, problems, notes = _doctor_report(args.cache_dir, args.try_build, args.verify)
     if args.json:
         _dump({**facts, "problems": problems, "notes": notes, "ok": not problems})
     else:
@@ -763,15 +824,29 @@ def build_parser() -> argparse.ArgumentParser:
                                     "sha256 checksums to a tar.gz.")
     x.add_argument("file", metavar="FILE")
     x.add_argument("--key", action="append", metavar="KEY", help="only this entry (repeatable; prefixes work)")
+    x.add_argument("--secret", metavar="FILE", help="sign the archive with the secret in FILE (default: "
+                   "$KERNELGEN_ARCHIVE_SECRET; `kernelgen cache keygen FILE` makes one)")
     x.set_defaults(func=cmd_cache_export)
     x = csub.add_parser("import", parents=[common], help="import an exported tar.gz, verifying it",
-                        description="Import entries from `kernelgen cache export`. Every member name and checksum "
+                        description="Import entries from `kernelgen cache export`. An archive carries compiled "
+                                    "code that kernelgen did not build here, and its checksums are its own, so "
+                                    "only a signature says who made it: archives must be signed with your secret "
+                                    "(--secret) unless --trust-unsigned is given. Every member name and checksum "
                                     "is verified; entries built by another toolchain (torch, CUDA, compilers, "
                                     "arch) are skipped; nothing is written outside the cache directory.")
     x.add_argument("file", metavar="FILE")
+    x.add_argument("--secret", metavar="FILE", help="the secret the archive must be signed with (default: "
+                   "$KERNELGEN_ARCHIVE_SECRET)")
+    x.add_argument("--trust-unsigned", action="store_true",
+                   help="import an unsigned archive (or one not checked against a secret): its code will run here")
     x.add_argument("--arch", metavar="LIST",
                    help="CUDA targets to accept (default: the local GPU's; every arch where no GPU is visible)")
     x.set_defaults(func=cmd_cache_import)
+    x = csub.add_parser("keygen", parents=[common], help="write a new secret for signing archives",
+                        description="Write 256 random bits (hex) to FILE, readable by you only. Share it with the "
+                                    "machines that import your archives, and nobody else.")
+    x.add_argument("file", metavar="FILE")
+    x.set_defaults(func=cmd_cache_keygen)
 
     r = sub.add_parser("render", help="print the source kernelgen would compile for a convolution",
                        description="Print the CUDA (or C++) source, with its banner, that kernelgen would compile "
@@ -801,6 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Report torch, CUDA, nvcc, the GPU and its arch, the cache directory, and "
                                    "what would stop a compile. Exit status 1 if something would.")
     d.add_argument("--try-build", action="store_true", help="also build a tiny kernel into a throw-away cache")
+    d.add_argument("--verify", action="store_true", help="re-hash every cached binary against its manifest")
     d.set_defaults(func=cmd_doctor)
     return p
 

@@ -8,6 +8,7 @@
 | KERNELGEN_JOBS | number of CPU cores | parallel builds (CLI `warm`, test warm-up, the tuner) |
 | KERNELGEN_TUNE | 0 | 1: the first call of each signature (without a plan record) times the top candidates on the GPU and keeps the fastest (kernelgen.tune) |
 | KERNELGEN_TUNE_TOP | 4 | how many candidates the tuner builds and times a call |
+| KERNELGEN_ARCHIVE_SECRET | (none) | file holding the secret `cache export` signs and `cache import` verifies archives with |
 | CXX | c++ | the host C++ compiler (torch's builder honours it too) |
 | CUDA_HOME, CUDA_PATH | the nvcc on PATH, then /usr/local/cuda | the CUDA toolkit (looked up in torch's order, since torch's builder compiles) |
 
@@ -94,6 +95,11 @@ def template_dir() -> Path:
             return Path(candidate)
     raise FileNotFoundError(f"kernelgen's templates are missing (looked in {os.path.join(here, 'templates')} and "
                             f"{os.path.join(os.path.dirname(here), 'templates')}); reinstall the package")
+
+
+def archive_secret() -> str | None:
+    """The file KERNELGEN_ARCHIVE_SECRET names (None where unset): the default of --secret."""
+    return os.environ.get("KERNELGEN_ARCHIVE_SECRET") or None
 
 
 def host_compiler() -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 
 from . import compiled, config, plans
-from .kernels import count, load_entry, load_kernel, workspace_bytes
+from .kernels import count, entry_spec, load_entry, load_kernel, workspace_bytes
 from .precision import check_override, torch_fp32_conv_math
 
 if TYPE_CHECKING:
@@ -165,6 +165,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
             observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+    if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias)):
+        input, weight, bias = _resolve_neg(input, weight, bias)
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     plan = None if sig is None else _plans.get(sig)
     if plan is None:
@@ -175,6 +177,13 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                                     or (bias is not None and bias.requires_grad)):
         return _no_backward().apply(plan, input, weight, bias)
     return _run(plan, input, weight, bias)
+
+
+def _resolve_neg(*tensors):
+    """The tensors with any negative bit resolved (x.conj().imag, torch._neg_view store their values
+    unnegated, and kernels read memory): negated copies, as torch's own kernels take them. Before
+    planning, since the copy's strides are its own."""
+    return tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors)
 
 
 def signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles) -> tuple | None:
@@ -291,14 +300,16 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
         if record is not None:
             try:
                 launch = load_entry(record["key"], cache, expect=_runtime_fields(device, arch))
-                if launch is not None:
+                if launch is not None and plans.fits(record, entry_spec(record["key"]), input, weight, bias, stride,
+                                                     padding, dilation, groups):
                     return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias)
             except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
                 record = None
     spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                           family=family, tiles=tiles)
-    if spec is None:
-        return _plan(None, None, _call_fields(call), "any", input, weight, bias)
+    if spec is None:  # nothing to compute (an empty batch, meta tensors): F.conv2d returns NCHW there
+        return _plan(None, None, _call_fields(dataclasses.replace(call, channels_last=False)), "any", input,
+                     weight, bias)
     tuned = _tuned_spec(record, spec, input) if family is None and tiles is None else None
     if tuned is not None:  # measured on this GPU before, its kernel since pruned: build it again
         spec = tuned
@@ -427,16 +438,20 @@ def _channels_last_strides(shape) -> tuple[int, ...]:
 
 def _input_strides(input: torch.Tensor, unbatched: bool, prep: int) -> tuple[int, ...]:
     """The strides of the 4-D input a kernel is handed: `input` (unsqueezed if unbatched),
-    made contiguous in NCHW (prep 1 or 3) or channels_last (prep 2) when it is not already.
+    made contiguous in NCHW (prep 1 or 3) or channels_last (prep 2) when it is not already
+    (both: the dense strides of that format, size-1 dimensions included).
 
     Computed from sizes and strides, as torch computes them, rather than by running
     unsqueeze/contiguous on meta tensors: the first meta tensor of a process costs more
     than the rest of a warm call's planning.
     """
     x = input.unsqueeze(0) if unbatched else input  # a view: no copy, no allocation
-    if prep in (1, 3) and not x.is_contiguous():
+    # Dense in torch's sense ignores the stride of a dimension of size 1 (a channel slice at batch 1
+    # keeps its parent's batch stride): the tensor is used as it is, but the kernel is handed the
+    # dense strides it checks for, which address the same elements.
+    if prep in (1, 3):
         return _contiguous_strides(x.shape)
-    if prep == 2 and not x.is_contiguous(memory_format=_CL):
+    if prep == 2:
         return _channels_last_strides(x.shape)
     return x.stride()
 
@@ -476,6 +491,8 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt) \
         if out is None else out
     if plan.launch is not None:
+        if plan.squeeze:  # (as _input_strides sees it: 4-D, so a channels_last preparation applies)
+            input = input.unsqueeze(0)
         if plan.sample is not None:
             input = input[..., ::plan.sample[0], ::plan.sample[1]]
         prep = plan.prep

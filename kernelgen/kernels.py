@@ -6,6 +6,7 @@ the counters `stats()` reports.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import Counter
@@ -29,6 +30,9 @@ _by_key: dict[str, Launch] = {}
 # key -> (KG_WORKSPACE, KG_WORKSPACE_PER_INPUT, KG_WORKSPACE_PER_OUTPUT): device scratch its
 # launch takes, in bytes, and bytes more for each input and each output element
 _workspace: dict[str, tuple[int, int, int]] = {}
+# key -> the spec (as the manifest's JSON dict) its entry was built for, checked against a call
+# that found the key in a plan record (plans.fits)
+_specs: dict[str, dict] = {}
 _caches: dict[str, "Cache"] = {}
 _stats: Counter = Counter()
 
@@ -63,6 +67,7 @@ def load_kernel(spec: "ConvSpec", toolchain: "Toolchain", cache: "Cache | None" 
                 _stats["cache_hits"] += 1
             hit = _memo[memo_key] = (module.launch, key)
             _by_key.setdefault(key, module.launch)
+            _specs.setdefault(key, json.loads(spec.to_json()))
             _workspace[key] = _workspace_of(module)
     return hit
 
@@ -77,6 +82,8 @@ def load_entry(key: str, cache: "Cache | None" = None, expect: dict | None = Non
     fn = _by_key.get(key)
     if fn is not None:
         return fn
+    if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
+        return None  # (a damaged record: the key names a directory)
     from .cache import InvalidEntry
 
     cache = cache or default_cache()
@@ -90,10 +97,19 @@ def load_entry(key: str, cache: "Cache | None" = None, expect: dict | None = Non
             except (FileNotFoundError, InvalidEntry) as exc:
                 log.debug("kernelgen: plan record names entry %s, which is not usable (%s)", key[:16], exc)
                 return None
+            spec = getattr(module, "KG_SPEC", None)
+            if not isinstance(spec, dict):
+                return None
             _stats["cache_hits"] += 1
             _by_key[key] = fn
+            _specs[key] = spec
             _workspace[key] = _workspace_of(module)
     return fn
+
+
+def entry_spec(key: str) -> dict | None:
+    """The spec (a dict of JSON values) the loaded kernel `key` was built for; None if not loaded."""
+    return _specs.get(key)
 
 
 def _workspace_of(module) -> tuple[int, int, int]:
@@ -125,4 +141,5 @@ def clear_memo() -> None:
         _memo.clear()
         _by_key.clear()
         _workspace.clear()
+        _specs.clear()
         _caches.clear()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import operator
 import os
 import stat
 import sys
@@ -124,10 +125,86 @@ def read(root: Path, name: str) -> dict | None:
 def write(root: Path, name: str, record: dict) -> None:
     """Atomically; best effort (a read-only cache only costs the full path next time)."""
     directory = root / "plans"
+    tmp = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
     try:
         directory.mkdir(mode=0o700, exist_ok=True)
-        tmp = directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
         tmp.write_text(json.dumps(dict(record, format=FORMAT), sort_keys=True))
         os.replace(tmp, directory / f"{name}.json")
     except OSError:
-        pass
+        try:  # (a full disk: leave no temporary behind)
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+_PREPS = {"any": ("any",), "nchw": ("nchw", "nchw_aligned"), "nhwc": ("nhwc",)}
+
+
+def _pair(v) -> tuple[int, int]:
+    """An int or a one/two-element sequence of ints as (h, w); TypeError/ValueError otherwise."""
+    if isinstance(v, (tuple, list)):
+        if len(v) == 1:
+            v = (v[0], v[0])
+        if len(v) != 2:
+            raise ValueError(v)
+        return operator.index(v[0]), operator.index(v[1])
+    return operator.index(v), operator.index(v)
+
+
+def _pads(padding, kernel, dilation) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) as spec.resolve_padding gives them ('same' needs stride 1 there)."""
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding == "same":
+        th, tw = dilation[0] * (kernel[0] - 1), dilation[1] * (kernel[1] - 1)
+        return (th // 2, th - th // 2, tw // 2, tw - tw // 2)
+    ph, pw = _pair(padding)
+    return (ph, ph, pw, pw)
+
+
+def fits(record: dict, spec: dict | None, input, weight, bias, stride, padding, dilation, groups) -> bool:
+    """Whether a plan record read from disk, and the spec of the entry it names (its manifest's, as
+    JSON values), describe this very call: its sizes, parameters, dtype, device and output format.
+
+    A record's name covers the call's signature, but the file itself is only data: an edited or
+    swapped record would hand a kernel sizes it was not built for (reads and writes out of
+    bounds). Checked once per signature and process, from sizes and parameters alone, without the
+    validation modules (a warm start does not import them); anything unusual is False, and the
+    full path then decides."""
+    from .layout import is_channels_last
+
+    def ints(*values) -> bool:
+        return all(v.__class__ is int for v in values)
+
+    try:
+        unbatched, N, K, P, Q, H, W, channels_last, sample = record["call"]
+        if not isinstance(spec, dict) or unbatched not in (True, False) or channels_last not in (True, False):
+            return False
+        if not ints(N, K, P, Q, H, W) or record.get("prep") not in _PREPS.get(spec.get("layout"), ()):
+            return False
+        if unbatched != (input.dim() == 3) or weight.dim() != 4:
+            return False
+        n, c, h, w = (1, *input.shape) if unbatched else tuple(input.shape)
+        k, cg, kh, kw = weight.shape
+        kernel, s, d = (kh, kw), _pair(stride), _pair(dilation)
+        pads = _pads(padding, kernel, d)
+        if sample is not None:  # the kernel computes the stride-1 1x1 layer of input[..., ::sh, ::sw]
+            if not (isinstance(sample, list) and len(sample) == 2 and ints(*sample) and tuple(sample) == s
+                    and kernel == (1, 1) and not any(pads)):
+                return False
+            h, w, s = -(-h // s[0]), -(-w // s[1]), (1, 1)
+        want = {"in_channels": c, "out_channels": k, "kernel_size": [kh, kw], "stride": list(s),
+                "padding": list(pads), "dilation": list(d), "groups": operator.index(groups),
+                "dtype": str(input.dtype).replace("torch.", ""), "bias": bias is not None,
+                "device": input.device.type}
+        if any(spec.get(f) != v for f, v in want.items()) or c != cg * want["groups"]:
+            return False
+        if bias is not None and tuple(bias.shape) != (k,) or weight.dtype != input.dtype:
+            return False
+        p = (h + pads[0] + pads[1] - d[0] * (kh - 1) - 1) // s[0] + 1
+        q = (w + pads[2] + pads[3] - d[1] * (kw - 1) - 1) // s[1] + 1
+        cl = ((is_channels_last(input.unsqueeze(0) if unbatched else input) or is_channels_last(weight))
+              and not (input.is_cuda and want["dtype"] == "float64"))
+        return (N, K, P, Q, H, W, channels_last) == (n, k, p, q, h, w, cl) and min(n, p, q) > 0
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False

@@ -29,6 +29,13 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SCALAR_T = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "float64": "double"}
 ACC_T = {"float32": "float", "float16": "float", "bfloat16": "float", "float64": "double"}
 
+# Every spec integer is rendered into C++ as an `int` (templates' constexpr constants), and so
+# are the few products of them the templates form (a dilated kernel's extent, the reduction
+# length): all of them stay at or below INT_MAX. Python ints beyond int64 are refused as torch
+# refuses them (its argument parser unpacks a long long).
+INT_MAX = 2**31 - 1
+_INT64 = 2**63
+
 
 def index(value: Any) -> int | None:
     """`value` as an int where F.conv2d takes it as one: an int, a numpy integer, a one-element
@@ -46,7 +53,17 @@ def _int(name: str, value: Any) -> int:
     v = index(value)
     if v is None:
         raise TypeError(f"{name} must be an int or a tuple of ints, got {value!r} ({type(value).__name__})")
+    if not -_INT64 <= v < _INT64:
+        raise ConvArgumentError(f"Overflow when unpacking long long: {name}={v} does not fit 64 bits")
     return v
+
+
+def bounded(name: str, value: int, limit: int = INT_MAX) -> int:
+    """`value`, after checking it is at most `limit` (what a C++ int in the templates holds)."""
+    if value > limit:
+        raise ConvArgumentError(f"{name}={value} is larger than kernelgen's kernels take (at most {limit}: "
+                                f"they compute in 32-bit ints)")
+    return value
 
 
 def pair(name: str, value: Any) -> tuple[int, int]:
@@ -186,6 +203,7 @@ class ConvSpec:
         put("in_channels", cin)
         put("out_channels", cout)
         put("groups", groups)
+        self._bound()
 
         put("dtype", canonical_dtype(self.dtype))
         for name, allowed in (("device", DEVICES), ("layout", LAYOUTS), ("math", MATHS)):
@@ -201,6 +219,21 @@ class ConvSpec:
 
         family = get_family(self.family)  # raises naming the known families
         put("tiles", _canonical_tiles(family.name, family.tiles, self.tiles))
+
+    def _bound(self) -> None:
+        """Every integer the templates see, and the products of them they form, fit a C++ int."""
+        for name in ("kernel_size", "stride", "dilation", "padding"):
+            for v in getattr(self, name):
+                bounded(name, v)
+        for name in ("in_channels", "out_channels", "groups"):
+            bounded(name, getattr(self, name))
+        (kh, kw), (dh, dw) = self.kernel_size, self.dilation
+        bounded("the dilated kernel's height dilation*(kernel_size-1)+1", dh * (kh - 1) + 1)
+        bounded("the dilated kernel's width dilation*(kernel_size-1)+1", dw * (kw - 1) + 1)
+        top, bottom, left, right = self.padding
+        bounded("padding top+bottom", top + bottom)
+        bounded("padding left+right", left + right)
+        bounded("the reduction length in_channels/groups*kH*kW", self.cin_per_group * kh * kw)
 
     # -- derived values ---------------------------------------------------------------
     @property

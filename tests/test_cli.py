@@ -527,9 +527,9 @@ def test_export_import_served_without_compiling(capsys, tmp_path, warmed, monkey
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(fresh))
     forget_loaded()
-    code, doc = run_json(capsys, "cache", "import", archive)
+    code, doc = run_json(capsys, "cache", "import", archive, "--trust-unsigned")
     assert code == 0 and doc["imported"] == 2, doc
-    code, doc = run_json(capsys, "cache", "import", archive)
+    code, doc = run_json(capsys, "cache", "import", archive, "--trust-unsigned")
     assert code == 0 and doc["present"] == 2
 
     before = kernelgen.stats()
@@ -575,17 +575,17 @@ def test_import_verifies_checksums_and_toolchain(capsys, cache_dir, tmp_path, wa
     # A truncated download is refused as a whole.
     truncated = tmp_path / "truncated.tgz"
     truncated.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
-    code, _, err = run(capsys, "cache", "import", truncated, "--cache-dir", tmp_path / "c0")
+    code, _, err = run(capsys, "cache", "import", truncated, "--cache-dir", tmp_path / "c0", "--trust-unsigned")
     assert code == 2 and "refusing" in err
 
     # A flipped byte in a .so: the archive manifest catches it.
     flip = lambda name, data: (data[:100] + bytes([data[100] ^ 1]) + data[101:]) if name.endswith(".so") else data
     tampered = _rewrite(archive, tmp_path / "tampered.tgz", flip)
-    code, doc = run_json(capsys, "cache", "import", tampered, "--cache-dir", tmp_path / "c1")
+    code, doc = run_json(capsys, "cache", "import", tampered, "--cache-dir", tmp_path / "c1", "--trust-unsigned")
     assert code == 1 and doc["failed"] == 2 and doc["imported"] == 0
     assert all("sha256" in e["reason"] for e in doc["entries"])
     # ... and with the archive manifest forged to match, the entry's own manifest does.
-    code, doc = run_json(capsys, "cache", "import", _fix_checksums(tampered), "--cache-dir", tmp_path / "c1")
+    code, doc = run_json(capsys, "cache", "import", _fix_checksums(tampered), "--cache-dir", tmp_path / "c1", "--trust-unsigned")
     assert code == 1 and doc["failed"] == 2 and doc["imported"] == 0
     assert not any((tmp_path / "c1" / "entries").iterdir())
 
@@ -598,7 +598,7 @@ def test_import_verifies_checksums_and_toolchain(capsys, cache_dir, tmp_path, wa
         return data
 
     foreign = _fix_checksums(_rewrite(archive, tmp_path / "foreign.tgz", other_torch))
-    code, doc = run_json(capsys, "cache", "import", foreign, "--cache-dir", tmp_path / "c2")
+    code, doc = run_json(capsys, "cache", "import", foreign, "--cache-dir", tmp_path / "c2", "--trust-unsigned")
     assert code == 0 and doc["skipped"] == 2 and doc["imported"] == 0
     assert all("torch '1.0.0' in the archive" in e["reason"] for e in doc["entries"])
     assert not any((tmp_path / "c2" / "entries").iterdir())
