@@ -1,0 +1,66 @@
+"""The command line as a user meets it (issue 55): help without torch, help on a bare command,
+a closed pipe, torch's NumPy warning, render and doctor on a machine without a GPU, the progress bar.
+
+Unmarked: nothing here builds a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+import kernelgen_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = [[], ["warm"], ["cache"], ["cache", "ls"], ["cache", "info"], ["cache", "clear"], ["cache", "prune"],
+            ["cache", "export"], ["cache", "import"], ["render"], ["doctor"]]
+
+
+def python(code: str, tmp_path: Path, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERNELGEN_CACHE_DIR": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, **kwargs)
+
+
+def test_help_and_usage_errors_import_no_torch(tmp_path):
+    # Each in a fresh interpreter: this one has imported torch already.
+    argvs = [words + ["--help"] for words in COMMANDS] + [["--version"], ["warm", "--jobs", "0"], ["nope"]]
+    code = ("import sys, kernelgen_cli\n"
+            f"for argv in {argvs!r}:\n"
+            "    kernelgen_cli.main(argv)\n"
+            "    assert 'torch' not in sys.modules and 'kernelgen' not in sys.modules, argv\n"
+            "print('ok')\n")
+    p = python(code, tmp_path)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr
+    assert "usage: kernelgen warm" in p.stdout and "kernelgen 0" in p.stdout
+
+
+def test_bare_command_prints_its_help(capsys):
+    assert kernelgen_cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kernelgen") and "warm" in err and "doctor" in err
+    assert kernelgen_cli.main(["cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kernelgen cache") and "prune" in err
+
+
+def test_closed_pipe_is_quiet(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERNELGEN_CACHE_DIR": str(tmp_path / "cache")}
+    for argv in (["-m", "kernelgen"], [str(ROOT / "kernelgen_cli.py")]):
+        p = subprocess.Popen([sys.executable, *argv, "cache", "ls", "--json"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        p.stdout.close()  # the reader is gone before anything is written, as `| head -1` is after one line
+        err = p.stderr.read()
+        assert p.wait(timeout=120) == 141, err
+        assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_no_numpy_warning_from_the_command(tmp_path):
+    # torch warns at import where NumPy cannot be loaded; the command keeps that off the user's terminal.
+    p = python("import sys; sys.modules['numpy'] = None\n"
+               "import kernelgen_cli; sys.exit(kernelgen_cli.main(['cache', 'ls']))", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "NumPy" not in p.stderr and "no entries" in p.stdout
