@@ -63,47 +63,100 @@ def _archs(text: str | None) -> list[str] | None:
 
 
 class Reporter:
-    """Progress on a terminal (a bar on stderr), one line per spec otherwise (on stdout)."""
+    """Progress on a terminal (a bar on stderr), one line per spec otherwise (on stdout).
 
-    def __init__(self, total: int, as_json: bool, stream=None):
-        self.total = total
+    The bar is drawn at 0/N before the first build starts and redrawn every second, so a long
+    first build shows what it is building and for how long; the ETA is the mean time of the
+    builds done so far times those left, divided among the jobs.
+    """
+
+    TICK = 1.0  # seconds between redraws while nothing completes
+
+    def __init__(self, items: Sequence[Any], as_json: bool, jobs: int = 1, stream=None):
+        import threading
+
+        self.items = list(items)
+        self.total = len(self.items)
+        self.jobs = max(1, min(jobs, self.total))
         self.stream = stream or sys.stderr
         self.bar = self.stream.isatty()
         self.lines = not self.bar and not as_json
         self.counts = {"built": 0, "cached": 0, "failed": 0}
+        self.index = {(item.spec, item.toolchain): i for i, item in enumerate(self.items)}  # (warm dedups)
+        self.done: set[int] = set()  # indices into items; items finish in any order with several jobs
+        self.build_seconds = 0.0
         self.start = time.perf_counter()
-
-    def __call__(self, result) -> None:
-        self.counts[result.status] += 1
-        if result.status == "failed":
-            self._clear()
-            _err(f"FAILED {result.spec.summary()} ({result.toolchain.arch})"
-                 + (f" from {result.origin}" if result.origin else "") + f":\n{result.message}")
-        if self.lines:
-            print(f"{result.status:<6} {result.seconds:6.1f} s  {result.spec.summary()}  ({result.toolchain.arch})",
-                  flush=True)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker = None
         if self.bar:
             self._draw()
+            self._ticker = threading.Thread(target=self._tick, name="kernelgen-progress", daemon=True)
+            self._ticker.start()
+
+    def __call__(self, result) -> None:
+        with self._lock:
+            self.counts[result.status] += 1
+            self.done.add(self.index.get((result.spec, result.toolchain), -1))
+            if result.status != "cached":
+                self.build_seconds += result.seconds
+            if result.status == "failed":
+                self._clear()
+                _err(f"FAILED {result.spec.summary()} ({result.toolchain.arch})"
+                     + (f" from {result.origin}" if result.origin else "") + f":\n{result.message}")
+            if self.lines:
+                print(f"{result.status:<6} {result.seconds:6.1f} s  {result.spec.summary()}  "
+                      f"({result.toolchain.arch})", flush=True)
+            if self.bar:
+                self._draw()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.TICK):
+            with self._lock:
+                self._draw()
+
+    def line(self, width: int) -> str:
+        """The bar's text: done/total, counts, elapsed, ETA and the item being built, in `width` columns."""
+        c = self.counts
+        done = sum(c.values())
+        filled = int(20 * done / max(self.total, 1))
+        elapsed = time.perf_counter() - self.start
+        builds = c["built"] + c["failed"]
+        left = self.total - done
+        if left == 0:
+            eta = ""
+        elif builds:
+            eta = f"  ETA {self.build_seconds / builds * left / self.jobs:.0f} s"
+        else:
+            eta = "  ETA ?"
+        text = (f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{self.total}  built {c['built']}  cached "
+                f"{c['cached']}  failed {c['failed']}  {elapsed:.0f} s{eta}")
+        # The oldest item not done: the one being built with one job, the longest running with several.
+        current = next((item for i, item in enumerate(self.items) if i not in self.done), None)
+        if current is not None:
+            text += f"  {current.spec.summary()}"
+        return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
 
     def _draw(self) -> None:
-        done = sum(self.counts.values())
-        width = 30
-        filled = int(width * done / max(self.total, 1))
-        c = self.counts
-        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  built {c['built']}  "
-                          f"cached {c['cached']}  failed {c['failed']}  {time.perf_counter() - self.start:.0f} s ")
+        width = shutil.get_terminal_size((100, 24)).columns - 1
+        self.stream.write("\r" + self.line(width).ljust(width) + "\r")
         self.stream.flush()
 
     def _clear(self) -> None:
         if self.bar:
-            self.stream.write("\r" + " " * 100 + "\r")
+            width = shutil.get_terminal_size((100, 24)).columns - 1
+            self.stream.write("\r" + " " * width + "\r")
             self.stream.flush()
 
     def close(self) -> None:
+        if self._ticker is not None:
+            self._stop.set()
+            self._ticker.join()
         if self.bar:
-            self._draw()
-            self.stream.write("\n")
-            self.stream.flush()
+            with self._lock:
+                self._draw()
+                self.stream.write("\n")
+                self.stream.flush()
 
 
 def _model_specs(model_factory, shapes, device, dtype, precision, origin) -> list:
@@ -266,7 +319,7 @@ def cmd_warm(args) -> int:
                 print(f"{i.spec.summary()}  ({i.toolchain.arch})  from {i.origin}")
             print(f"kernelgen warm --dry-run: {len(items)} specialisation(s) would be warmed")
         return EXIT_USAGE if errors else EXIT_OK
-    reporter = Reporter(len(items), args.json)
+    reporter = Reporter(items, args.json, jobs=args.jobs or config.jobs())
     start = time.perf_counter()
     try:
         results = warm.build_items(items, jobs=args.jobs, cache=cache, on_result=reporter)

@@ -6,6 +6,7 @@ Unmarked: nothing here builds a kernel.
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 
 import kernelgen_cli
+from kernelgen import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = [[], ["warm"], ["cache"], ["cache", "ls"], ["cache", "info"], ["cache", "clear"], ["cache", "prune"],
@@ -64,3 +66,32 @@ def test_no_numpy_warning_from_the_command(tmp_path):
                "import kernelgen_cli; sys.exit(kernelgen_cli.main(['cache', 'ls']))", tmp_path)
     assert p.returncode == 0, p.stderr
     assert "NumPy" not in p.stderr and "no entries" in p.stdout
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_before_the_first_build_ends():
+    from kernelgen.toolchain import current
+    from kernelgen.warm import Item, Result, parse_record
+
+    tc = current("cpu")
+    specs = [parse_record({"input": [1, c, 8, 8], "weight": [4, c, 3, 3], "device": "cpu"}) for c in (2, 3, 5)]
+    items = [Item(spec=s, toolchain=tc) for s in specs]
+    stream = Tty()
+    reporter = cli.Reporter(items, as_json=False, jobs=1, stream=stream)
+    try:
+        first = stream.getvalue()
+        assert "0/3" in first and "ETA ?" in first and specs[0].summary()[:20] in first
+        reporter(Result(spec=specs[0], toolchain=tc, status="built", seconds=2.0))
+        line = reporter.line(200)
+        assert "1/3" in line and "ETA 4 s" in line and specs[1].summary()[:20] in line
+        reporter(Result(spec=specs[2], toolchain=tc, status="cached", seconds=0.0))  # out of order
+        assert "2/3" in reporter.line(200) and "ETA 2 s" in reporter.line(200)
+        assert specs[1].summary()[:20] in reporter.line(200)
+        assert len(reporter.line(40)) == 40
+    finally:
+        reporter.close()
+    assert stream.getvalue().endswith("\n")
