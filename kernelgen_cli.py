@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dilation", type=_int_or_pair, default=1, metavar="D[,D]")
     r.add_argument("--groups", type=int, default=1)
     r.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"))
-    r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    r.add_argument("--device", choices=("cuda", "cpu"),
+                   help="the device to render for (default: cuda with a visible GPU or --arch, else cpu)")
     r.add_argument("--precision", choices=("ieee", "tf32"), help="float32 math (default: torch's setting)")
     r.add_argument("--memory-format", default="contiguous", choices=("contiguous", "channels_last"))
     r.add_argument("--family", help="force a kernel family")

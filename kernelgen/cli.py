@@ -516,9 +516,17 @@ def cmd_render(args) -> int:
     if args.wide_dram and not archs:
         raise UsageError("--wide-dram goes with --arch (without it, render plans for the local GPU)")
 
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if archs or torch.cuda.is_available() else "cpu"
+        if device == "cpu":  # say so: CUDA source for a GPU this machine lacks would be of no use here
+            _err("no GPU is visible, so this is the C++ source kernelgen.conv2d compiles for CPU tensors; for a "
+                 "GPU's CUDA source name its target, e.g. --arch sm_90a (or --device cuda)")
     record: dict[str, Any] = {"input": list(args.input), "weight": list(args.weight), "bias": args.bias,
                               "stride": args.stride, "padding": args.padding, "dilation": args.dilation,
-                              "groups": args.groups, "dtype": args.dtype, "device": args.device,
+                              "groups": args.groups, "dtype": args.dtype, "device": device,
                               "memory_format": args.memory_format}
     if args.precision:
         record["precision"] = args.precision

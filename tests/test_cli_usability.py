@@ -7,11 +7,14 @@ Unmarked: nothing here builds a kernel.
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+
+import torch
 
 import kernelgen_cli
 from kernelgen import cli
@@ -66,6 +69,20 @@ def test_no_numpy_warning_from_the_command(tmp_path):
                "import kernelgen_cli; sys.exit(kernelgen_cli.main(['cache', 'ls']))", tmp_path)
     assert p.returncode == 0, p.stderr
     assert "NumPy" not in p.stderr and "no entries" in p.stdout
+
+
+def test_render_defaults_to_this_machines_device(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = cli.main(["render", "--input", "1,4,8,8", "--weight", "8,4,3,3"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert json.loads(out.splitlines()[1][len("// spec: "):])["device"] == "cpu"
+    assert "no GPU is visible" in err and "--arch" in err
+    # Asked for by name, CUDA source is still printed, and --arch implies it.
+    for extra in (["--device", "cuda"], ["--arch", "sm_90a"]):
+        code = cli.main(["render", "--input", "1,4,8,8", "--weight", "8,4,3,3", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0 and "(cuda.cu)" in out.splitlines()[0] and not err
 
 
 class Tty(io.StringIO):
