@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", parents=[common], help="report what kernelgen needs and what would stop a compile",
                        description="Report torch, CUDA, nvcc, the GPU and its arch, the cache directory, and "
                                    "what would stop a compile. Exit status 1 if something would.")
-    d.add_argument("--try-build", action="store_true", help="also build a tiny kernel into a throw-away cache")
+    d.add_argument("--try-build", action="store_true", help="also build a tiny kernel into a throw-away cache: for the CPU, and for CUDA where torch has CUDA "
+                        "(for the local GPU, or sm_80 where none is visible)")
     d.set_defaults(command_name="doctor")
     return p
 

@@ -560,6 +560,10 @@ def cmd_render(args) -> int:
 
 # ---------------------------------------------------------------------------- doctor
 
+# The CUDA target `doctor --try-build` builds for where no GPU is visible (any: what fails here is the
+# toolkit, the headers and the link, not the target).
+TRIAL_ARCH = "sm_80"
+
 
 def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, Any], list[str], list[str]]:
     """(facts, problems that stop a compile here, notes)."""
@@ -613,9 +617,13 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
 
     home = config.cuda_home()
     nvcc = home / "bin" / "nvcc" if home else None
-    facts["cuda_home"] = str(home) if home else None
     facts["nvcc"] = {"path": str(nvcc) if nvcc and nvcc.exists() else shutil.which("nvcc"),
                      "version": nvcc_version() or None}
+    # What torch's builder (load_inline) will compile and link with: its own CUDA home, which can
+    # differ from the toolkit nvcc runs (a wrapper script on PATH), and that home's libcudart.
+    build = _cuda_build_facts(facts["nvcc"]["path"]) if facts["nvcc"]["path"] else None
+    facts["cuda_build"] = build
+    facts["cuda_home"] = build["home"] if build else (str(home) if home else None)
     if torch.version.cuda:
         if not facts["nvcc"]["path"]:
             (problems if gpu else notes).append("nvcc was not found (CUDA_HOME, PATH, /usr/local/cuda): CUDA "
@@ -628,6 +636,14 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
                 (problems if gpu else notes).append(
                     f"nvcc is CUDA {m.group(1)}.{m.group(2)} but torch was built with CUDA {torch.version.cuda}: "
                     f"torch's builder refuses a different major version; point CUDA_HOME at a matching toolkit")
+            if build and build["missing"]:
+                fix = (f"set CUDA_HOME={build['toolkit']} (the toolkit {facts['nvcc']['path']} runs)"
+                       if build["toolkit"] and build["toolkit"] != build["home"] else
+                       "set CUDA_HOME to the CUDA toolkit's directory")
+                (problems if gpu else notes).append(
+                    f"torch's builder takes the CUDA home {build['home']} ({build['home_from']}), which has no "
+                    f"{' and no '.join(build['missing'])}: a CUDA build will fail (e.g. `cannot find -lcudart`); "
+                    f"{fix}")
 
     root = Path(cache_dir) if cache_dir else config.cache_dir()
     cache_facts: dict[str, Any] = {"path": str(root), "exists": root.is_dir()}
@@ -649,27 +665,74 @@ def _doctor_report(cache_dir: str | None, try_build: bool) -> tuple[dict[str, An
     facts["cache"] = cache_facts
 
     if try_build and not problems:
-        facts["trial_builds"] = _trial_builds(gpu)
+        facts["trial_builds"] = _trial_builds(gpu, bool(torch.version.cuda and facts["nvcc"]["path"]))
         for device, outcome in facts["trial_builds"].items():
             if outcome["status"] == "failed":
                 problems.append(f"a trial {device} build failed: {outcome['message']}")
     return facts, problems, notes
 
 
-def _trial_builds(gpu: bool) -> dict[str, dict]:
-    """Build a tiny kernel per local device into a throw-away cache."""
+def _cuda_build_facts(nvcc: str) -> dict[str, Any]:
+    """Where torch's builder will look for CUDA, and whether what a build needs is there.
+
+    torch.utils.cpp_extension takes $CUDA_HOME, $CUDA_PATH, else the directory above the bin/
+    holding the nvcc on PATH, without following a wrapper script (so /usr/local/bin/nvcc that
+    execs /usr/local/cuda-13.0/bin/nvcc gives /usr/local), else /usr/local/cuda; it compiles with
+    <home>/include and links -L<home>/lib64 (lib where only that exists) -lcudart. Replicated
+    here rather than read from cpp_extension.CUDA_HOME, which is fixed when torch's module is
+    first imported and logs a warning whenever no GPU is visible.
+    """
+    import subprocess
+    import tempfile
+
+    source = next((f"${name}" for name in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(name)), None)
+    if source:
+        home = os.environ[source[1:]]
+    elif shutil.which("nvcc"):
+        home, source = os.path.dirname(os.path.dirname(shutil.which("nvcc"))), "the nvcc on PATH"
+    else:
+        home, source = "/usr/local/cuda", "the default"
+    lib = "lib" if not os.path.exists(os.path.join(home, "lib64")) and os.path.exists(os.path.join(home, "lib")) \
+        else "lib64"
+    libcudart = os.path.join(home, lib, "libcudart.so")
+    header = os.path.join(home, "include", "cuda_runtime.h")
+    missing = [p for p in (header, libcudart) if not os.path.exists(p)]
+    # The toolkit nvcc really runs: its dry run names it (TOP=<toolkit>/bin/..), through any wrapper.
+    toolkit = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="kernelgen-doctor-") as tmp:
+            probe = os.path.join(tmp, "probe.cu")
+            open(probe, "w").close()
+            out = subprocess.run([nvcc, "--dryrun", "-c", probe, "-o", os.path.join(tmp, "probe.o")],
+                                 capture_output=True, text=True, timeout=30)
+        for line in (out.stdout + out.stderr).splitlines():
+            if line.startswith("#$ TOP="):
+                toolkit = os.path.normpath(line[len("#$ TOP="):].strip())  # <toolkit>/bin/..
+                break
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"home": home, "home_from": source, "libcudart": libcudart, "header": header, "missing": missing,
+            "toolkit": toolkit}
+
+
+def _trial_builds(gpu: bool, cuda_buildable: bool) -> dict[str, dict]:
+    """Build a tiny kernel per device into a throw-away cache: CPU always; CUDA where a GPU is
+    visible (for its arch) or torch has CUDA and nvcc is found (for TRIAL_ARCH: compiling and
+    linking need no GPU, and that is where a broken toolkit shows)."""
     import tempfile
 
     from .cache import Cache
-    from .warm import parse_record, warm_specs
+    from .warm import local_toolchains, parse_record, warm_specs
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="kernelgen-doctor-") as tmp:
         cache = Cache(Path(tmp) / "cache")
-        for device in ("cpu", "cuda") if gpu else ("cpu",):
+        for device in ("cpu", "cuda") if gpu or cuda_buildable else ("cpu",):
             spec = parse_record({"input": [1, 4, 8, 8], "weight": [4, 4, 3, 3], "device": device})
-            r = warm_specs([spec], jobs=1, cache=cache)[0]
-            out[device] = {"status": r.status, "seconds": round(r.seconds, 2), "message": r.message[-2000:]}
+            toolchains = local_toolchains(device, None if gpu or device == "cpu" else [TRIAL_ARCH])
+            r = warm_specs([spec], toolchains=toolchains, jobs=1, cache=cache)[0]
+            out[device] = {"status": r.status, "seconds": round(r.seconds, 2), "arch": r.toolchain.arch,
+                           "message": r.message[-2000:]}
     return out
 
 
@@ -690,12 +753,18 @@ def cmd_doctor(args) -> int:
         print(f"host compiler  {host['path'] or host['name'] + ' (not found)'} {host['version'] or ''}".rstrip())
         print(f"ninja          {'yes' if facts['ninja'] else 'no'}")
         print(f"jinja2         {facts['jinja2'] or 'missing'}")
-        print(f"CUDA home      {facts['cuda_home'] or '-'}")
+        build = facts.get("cuda_build")
+        if build:
+            state = "no " + " and no ".join(build["missing"]) if build["missing"] else "headers and libcudart found"
+            runs = f"; nvcc runs {build['toolkit']}" if build["toolkit"] and build["toolkit"] != build["home"] else ""
+            print(f"CUDA home      {build['home']} (torch's builder, from {build['home_from']}): {state}{runs}")
+        else:
+            print(f"CUDA home      {facts['cuda_home'] or '-'}")
         print(f"nvcc           {nv['path'] or 'not found'} {nv['version'] or ''}".rstrip())
         extra = f", {cache['entries']} entries, {cache['bytes']} bytes" if "entries" in cache else ""
         print(f"cache          {cache['path']} ({'writable' if cache.get('writable') else 'NOT writable'}{extra})")
         for device, t in facts.get("trial_builds", {}).items():
-            print(f"trial build    {device}: {t['status']} in {t['seconds']} s")
+            print(f"trial build    {device} ({t['arch']}): {t['status']} in {t['seconds']} s")
         for n in notes:
             print(f"note: {n}")
         for p in problems:

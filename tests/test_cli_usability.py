@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 import torch
 
 import kernelgen_cli
@@ -112,3 +111,43 @@ def test_progress_bar_draws_before_the_first_build_ends():
     finally:
         reporter.close()
     assert stream.getvalue().endswith("\n")
+
+
+def test_doctor_sees_a_cuda_home_torch_would_fail_to_link(capsys, tmp_path, monkeypatch):
+    """A wrapper nvcc on PATH (/usr/local/bin/nvcc exec'ing the real one) makes torch's builder take
+    its parent (/usr/local) as the CUDA home and link -L/usr/local/lib64 -lcudart: doctor says so."""
+    from kernelgen import toolchain
+
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    (toolkit / "lib64").mkdir()
+    (toolkit / "lib64" / "libcudart.so").write_text("")
+    wrapper = tmp_path / "local" / "bin" / "nvcc"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("#!/bin/sh\n"
+                       f'case "$*" in *--dryrun*) echo "#\\$ TOP={toolkit}/bin/.." >&2 ;;\n'
+                       '  *--version*) echo "Cuda compilation tools, release 13.0, V13.0.88" ;; esac\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    toolchain.nvcc_version.cache_clear()
+    try:
+        assert cli.main(["doctor", "--json"]) in (0, 1)
+        doc = json.loads(capsys.readouterr().out)
+        build = doc["cuda_build"]
+        assert build["home"] == str(tmp_path / "local") and build["toolkit"] == str(toolkit)
+        assert str(tmp_path / "local" / "lib64" / "libcudart.so") in build["missing"]
+        said = " ".join(doc["notes"] + doc["problems"])
+        assert "cannot find -lcudart" in said and f"CUDA_HOME={toolkit}" in said
+        # Pointed at the toolkit, nothing is missing.
+        monkeypatch.setenv("CUDA_HOME", str(toolkit))
+        cli.main(["doctor", "--json"])
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["cuda_build"]["missing"] == [] and "lcudart" not in " ".join(doc["notes"] + doc["problems"])
+    finally:
+        toolchain.nvcc_version.cache_clear()
