@@ -6,7 +6,8 @@
     kernelgen doctor
 
 Exit status: 0 success, 1 some work failed (a build, a corrupt entry), 2 bad usage or
-input (an unknown option, a bad spec record, a hostile archive).
+input (an unknown option, a bad spec record, a hostile archive, no command), 141 the reader
+of its output went away (`| head`), as for a command killed by SIGPIPE.
 
 This module is the console script and sits beside the package, not in it, on purpose:
 `import kernelgen` imports torch (it defines the operators torch.compile and exported
@@ -26,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_USAGE = 2
 # What a command killed by SIGPIPE reports: its reader (`| head`) went away.
 EXIT_BROKEN_PIPE = 128 + 13
 
