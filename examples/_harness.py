@@ -42,6 +42,7 @@ import copy
 import importlib.util
 import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -51,7 +52,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Sequence
 
-import torch
+# On the CPU, F.conv2d (torch's OpenMP) and ModelNew (the kernel's own OpenMP) run in turns. With
+# OpenMP's default active wait each runtime's idle threads spin on the cores the other one then
+# needs, and on a machine of few cores a case's times swung 0.2x-1.6x between runs (F.conv2d at
+# 1.4 or 32 ms). Passive waiting lets each side have the cores; set before torch loads its runtime.
+# A script's choice, not the library's: set OMP_WAIT_POLICY yourself to measure otherwise.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 PRECISIONS = ("ieee", "tf32", "bf16")
 PRECISION_LABELS = {
@@ -112,13 +120,14 @@ class Options:
     def warmup_runs(self) -> int:
         if self.warmup is not None:
             return self.warmup
-        return 5 if self.resolved_device == "cuda" else 1
+        return 5 if self.resolved_device == "cuda" else 3
 
     @property
     def timed_runs(self) -> int:
         if self.runs is not None:
             return self.runs
-        return 20 if self.resolved_device == "cuda" else 5
+        # The CPU's times swing run to run (other processes, frequency): more runs steady the median.
+        return 20 if self.resolved_device == "cuda" else 21
 
 
 @dataclass
@@ -425,14 +434,20 @@ def compile_line(result: Result) -> str:
 
 def result_line(result: Result) -> str:
     if result.error is not None:
-        return f"{result.case} ({result.precision}, {result.device}): ERROR: {result.error}"
+        return f"{result.case} ({precision_name(result)}, {result.device}): ERROR: {result.error}"
     worst = result.worst
-    return (f"{result.case} (KernelBench 1/{result.problem}, {shape_text(result.shape)}, {result.precision}, "
+    return (f"{result.case} (KernelBench 1/{result.problem}, {shape_text(result.shape)}, {precision_name(result)}, "
             f"{result.device}): max abs err {result.max_abs:.2e}, rel err {worst.rel_err:.2e} "
             f"(F.conv2d {worst.ref_rel_err:.2e}, limit {worst.limit:.1e}), "
             f"allclose {'yes' if all(c.allclose for c in result.checks) else 'NO'}; "
             f"Model {result.model_ms:.3f} ms, ModelNew {result.new_ms:.3f} ms, "
             f"speedup {result.speedup:.2f}x: {result.status}")
+
+
+def precision_name(result: Result) -> str:
+    """The precision a result ran in, as its line names it: 'tf32' means TF32 allowed, which the
+    CPU has none of, so there it ran plain float32."""
+    return "float32" if result.device == "cpu" and result.precision == "tf32" else result.precision
 
 
 def heading(opts: Options) -> str:
@@ -445,6 +460,8 @@ def heading(opts: Options) -> str:
         where = (f"CPU path ({why}): reduced shapes (batch <= {opts.reduced_batch}, "
                  f"longer side {opts.reduced_side})")
         timer = "time.perf_counter"
+        where += ("\nThe CPU path is for correctness and portability (no GPU needed); its times beside "
+                  "F.conv2d (oneDNN) are shown, not tuned for")
     label = PRECISION_LABELS[opts.precision]
     if device == "cpu" and opts.precision == "tf32":
         label = "float32 (TF32 does not apply on the CPU)"

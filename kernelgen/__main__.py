@@ -1,7 +1,8 @@
-"""`python -m kernelgen`: the same as the `kernelgen` command."""
+"""`python -m kernelgen`: the same as the `kernelgen` command (which, unlike this, answers
+--help without importing torch: `python -m` imports the package first)."""
 
 import sys
 
-from .cli import main
+from kernelgen_cli import console
 
-sys.exit(main())
+sys.exit(console())

@@ -1,17 +1,12 @@
-"""The `kernelgen` command: warm the kernel cache ahead of time, and manage it.
+"""The `kernelgen` command's work: warm, cache, render and doctor.
 
-    kernelgen warm SPECFILE... | --examples | --model MODULE:CALLABLE --input-shape N,C,H,W
-    kernelgen cache ls | info KEY | clear | prune | export FILE | import FILE | keygen FILE
-    kernelgen render --input N,C,H,W --weight K,C,R,S [...]
-    kernelgen doctor
-
-Exit status: 0 success, 1 some work failed (a build, a corrupt entry), 2 bad usage or
-input (an unknown option, a bad spec record, a hostile archive).
+The command line itself (argparse, help, the console script) is kernelgen_cli, a module
+beside this package that parses before anything imports torch; `run` here takes what it
+parsed. See kernelgen_cli for the commands and exit statuses.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -25,7 +20,6 @@ from . import config
 from ._version import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-DEFAULT_EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # (dtype, precision) of each mode examples/run_all.py offers: --precision ieee, tf32, bf16.
 EXAMPLE_MODES = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", None))
 
@@ -72,38 +66,6 @@ def _cache(args):
     return Cache(args.cache_dir) if getattr(args, "cache_dir", None) else Cache()
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid shape {text!r}; expected sizes like 8,3,224,224") from None
-    if not dims or any(d < 0 for d in dims):
-        raise argparse.ArgumentTypeError(f"invalid shape {text!r}; expected sizes like 8,3,224,224")
-    return dims
-
-
-def _int_or_pair(text: str) -> Any:
-    if text in ("same", "valid"):
-        return text
-    try:
-        parts = [int(p) for p in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected an int or two like 1,2") from None
-    if len(parts) not in (1, 2):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected an int or two like 1,2")
-    return parts[0] if len(parts) == 1 else parts
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
 def _archs(text: str | None) -> list[str] | None:
     """Validated arch names from 'sm_80,sm_90a' (UsageError naming the bad one)."""
     if text is None:
@@ -125,47 +87,100 @@ def _archs(text: str | None) -> list[str] | None:
 
 
 class Reporter:
-    """Progress on a terminal (a bar on stderr), one line per spec otherwise (on stdout)."""
+    """Progress on a terminal (a bar on stderr), one line per spec otherwise (on stdout).
 
-    def __init__(self, total: int, as_json: bool, stream=None):
-        self.total = total
+    The bar is drawn at 0/N before the first build starts and redrawn every second, so a long
+    first build shows what it is building and for how long; the ETA is the mean time of the
+    builds done so far times those left, divided among the jobs.
+    """
+
+    TICK = 1.0  # seconds between redraws while nothing completes
+
+    def __init__(self, items: Sequence[Any], as_json: bool, jobs: int = 1, stream=None):
+        import threading
+
+        self.items = list(items)
+        self.total = len(self.items)
+        self.jobs = max(1, min(jobs, self.total))
         self.stream = stream or sys.stderr
         self.bar = self.stream.isatty()
         self.lines = not self.bar and not as_json
         self.counts = {"built": 0, "cached": 0, "failed": 0}
+        self.index = {(item.spec, item.toolchain): i for i, item in enumerate(self.items)}  # (warm dedups)
+        self.done: set[int] = set()  # indices into items; items finish in any order with several jobs
+        self.build_seconds = 0.0
         self.start = time.perf_counter()
-
-    def __call__(self, result) -> None:
-        self.counts[result.status] += 1
-        if result.status == "failed":
-            self._clear()
-            _err(f"FAILED {result.spec.summary()} ({result.toolchain.arch})"
-                 + (f" from {result.origin}" if result.origin else "") + f":\n{result.message}")
-        if self.lines:
-            print(f"{result.status:<6} {result.seconds:6.1f} s  {result.spec.summary()}  ({result.toolchain.arch})",
-                  flush=True)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker = None
         if self.bar:
             self._draw()
+            self._ticker = threading.Thread(target=self._tick, name="kernelgen-progress", daemon=True)
+            self._ticker.start()
+
+    def __call__(self, result) -> None:
+        with self._lock:
+            self.counts[result.status] += 1
+            self.done.add(self.index.get((result.spec, result.toolchain), -1))
+            if result.status != "cached":
+                self.build_seconds += result.seconds
+            if result.status == "failed":
+                self._clear()
+                _err(f"FAILED {result.spec.summary()} ({result.toolchain.arch})"
+                     + (f" from {result.origin}" if result.origin else "") + f":\n{result.message}")
+            if self.lines:
+                print(f"{result.status:<6} {result.seconds:6.1f} s  {result.spec.summary()}  "
+                      f"({result.toolchain.arch})", flush=True)
+            if self.bar:
+                self._draw()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.TICK):
+            with self._lock:
+                self._draw()
+
+    def line(self, width: int) -> str:
+        """The bar's text: done/total, counts, elapsed, ETA and the item being built, in `width` columns."""
+        c = self.counts
+        done = sum(c.values())
+        filled = int(20 * done / max(self.total, 1))
+        elapsed = time.perf_counter() - self.start
+        builds = c["built"] + c["failed"]
+        left = self.total - done
+        if left == 0:
+            eta = ""
+        elif builds:
+            eta = f"  ETA {self.build_seconds / builds * left / self.jobs:.0f} s"
+        else:
+            eta = "  ETA ?"
+        text = (f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{self.total}  built {c['built']}  cached "
+                f"{c['cached']}  failed {c['failed']}  {elapsed:.0f} s{eta}")
+        # The oldest item not done: the one being built with one job, the longest running with several.
+        current = next((item for i, item in enumerate(self.items) if i not in self.done), None)
+        if current is not None:
+            text += f"  {current.spec.summary()}"
+        return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
 
     def _draw(self) -> None:
-        done = sum(self.counts.values())
-        width = 30
-        filled = int(width * done / max(self.total, 1))
-        c = self.counts
-        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}  built {c['built']}  "
-                          f"cached {c['cached']}  failed {c['failed']}  {time.perf_counter() - self.start:.0f} s ")
+        width = shutil.get_terminal_size((100, 24)).columns - 1
+        self.stream.write("\r" + self.line(width).ljust(width) + "\r")
         self.stream.flush()
 
     def _clear(self) -> None:
         if self.bar:
-            self.stream.write("\r" + " " * 100 + "\r")
+            width = shutil.get_terminal_size((100, 24)).columns - 1
+            self.stream.write("\r" + " " * width + "\r")
             self.stream.flush()
 
     def close(self) -> None:
+        if self._ticker is not None:
+            self._stop.set()
+            self._ticker.join()
         if self.bar:
-            self._draw()
-            self.stream.write("\n")
-            self.stream.flush()
+            with self._lock:
+                self._draw()
+                self.stream.write("\n")
+                self.stream.flush()
 
 
 def _model_specs(model_factory, shapes, device, dtype, precision, origin) -> list:
@@ -328,7 +343,7 @@ def cmd_warm(args) -> int:
                 print(f"{i.spec.summary()}  ({i.toolchain.arch})  from {i.origin}")
             print(f"kernelgen warm --dry-run: {len(items)} specialisation(s) would be warmed")
         return EXIT_USAGE if errors else EXIT_OK
-    reporter = Reporter(len(items), args.json)
+    reporter = Reporter(items, args.json, jobs=args.jobs or config.jobs())
     start = time.perf_counter()
     try:
         results = warm.build_items(items, jobs=args.jobs, cache=cache, on_result=reporter)
@@ -549,9 +564,17 @@ def cmd_render(args) -> int:
     if args.wide_dram and not archs:
         raise UsageError("--wide-dram goes with --arch (without it, render plans for the local GPU)")
 
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if archs or torch.cuda.is_available() else "cpu"
+        if device == "cpu":  # say so: CUDA source for a GPU this machine lacks would be of no use here
+            _err("no GPU is visible, so this is the C++ source kernelgen.conv2d compiles for CPU tensors; for a "
+                 "GPU's CUDA source name its target, e.g. --arch sm_90a (or --device cuda)")
     record: dict[str, Any] = {"input": list(args.input), "weight": list(args.weight), "bias": args.bias,
                               "stride": args.stride, "padding": args.padding, "dilation": args.dilation,
-                              "groups": args.groups, "dtype": args.dtype, "device": args.device,
+                              "groups": args.groups, "dtype": args.dtype, "device": device,
                               "memory_format": args.memory_format}
     if args.precision:
         record["precision"] = args.precision
@@ -584,6 +607,10 @@ def cmd_render(args) -> int:
 
 
 # ---------------------------------------------------------------------------- doctor
+
+# The CUDA target `doctor --try-build` builds for where no GPU is visible (any: what fails here is the
+# toolkit, the headers and the link, not the target).
+TRIAL_ARCH = "sm_80"
 
 
 def _doctor_report(cache_dir: str | None, try_build: bool,
@@ -639,9 +666,13 @@ def _doctor_report(cache_dir: str | None, try_build: bool,
 
     home = config.cuda_home()
     nvcc = home / "bin" / "nvcc" if home else None
-    facts["cuda_home"] = str(home) if home else None
     facts["nvcc"] = {"path": str(nvcc) if nvcc and nvcc.exists() else shutil.which("nvcc"),
                      "version": nvcc_version() or None}
+    # What torch's builder (load_inline) will compile and link with: its own CUDA home, which can
+    # differ from the toolkit nvcc runs (a wrapper script on PATH), and that home's libcudart.
+    build = _cuda_build_facts(facts["nvcc"]["path"]) if facts["nvcc"]["path"] else None
+    facts["cuda_build"] = build
+    facts["cuda_home"] = build["home"] if build else (str(home) if home else None)
     if torch.version.cuda:
         if not facts["nvcc"]["path"]:
             (problems if gpu else notes).append("nvcc was not found (CUDA_HOME, PATH, /usr/local/cuda): CUDA "
@@ -654,6 +685,14 @@ def _doctor_report(cache_dir: str | None, try_build: bool,
                 (problems if gpu else notes).append(
                     f"nvcc is CUDA {m.group(1)}.{m.group(2)} but torch was built with CUDA {torch.version.cuda}: "
                     f"torch's builder refuses a different major version; point CUDA_HOME at a matching toolkit")
+            if build and build["missing"]:
+                fix = (f"set CUDA_HOME={build['toolkit']} (the toolkit {facts['nvcc']['path']} runs)"
+                       if build["toolkit"] and build["toolkit"] != build["home"] else
+                       "set CUDA_HOME to the CUDA toolkit's directory")
+                (problems if gpu else notes).append(
+                    f"torch's builder takes the CUDA home {build['home']} ({build['home_from']}), which has no "
+                    f"{' and no '.join(build['missing'])}: a CUDA build will fail (e.g. `cannot find -lcudart`); "
+                    f"{fix}")
 
     root = Path(cache_dir) if cache_dir else config.cache_dir()
     cache_facts: dict[str, Any] = {"path": str(root), "exists": root.is_dir()}
@@ -687,27 +726,74 @@ def _doctor_report(cache_dir: str | None, try_build: bool,
     facts["cache"] = cache_facts
 
     if try_build and not problems:
-        facts["trial_builds"] = _trial_builds(gpu)
+        facts["trial_builds"] = _trial_builds(gpu, bool(torch.version.cuda and facts["nvcc"]["path"]))
         for device, outcome in facts["trial_builds"].items():
             if outcome["status"] == "failed":
                 problems.append(f"a trial {device} build failed: {outcome['message']}")
     return facts, problems, notes
 
 
-def _trial_builds(gpu: bool) -> dict[str, dict]:
-    """Build a tiny kernel per local device into a throw-away cache."""
+def _cuda_build_facts(nvcc: str) -> dict[str, Any]:
+    """Where torch's builder will look for CUDA, and whether what a build needs is there.
+
+    torch.utils.cpp_extension takes $CUDA_HOME, $CUDA_PATH, else the directory above the bin/
+    holding the nvcc on PATH, without following a wrapper script (so /usr/local/bin/nvcc that
+    execs /usr/local/cuda-13.0/bin/nvcc gives /usr/local), else /usr/local/cuda; it compiles with
+    <home>/include and links -L<home>/lib64 (lib where only that exists) -lcudart. Replicated
+    here rather than read from cpp_extension.CUDA_HOME, which is fixed when torch's module is
+    first imported and logs a warning whenever no GPU is visible.
+    """
+    import subprocess
+    import tempfile
+
+    source = next((f"${name}" for name in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(name)), None)
+    if source:
+        home = os.environ[source[1:]]
+    elif shutil.which("nvcc"):
+        home, source = os.path.dirname(os.path.dirname(shutil.which("nvcc"))), "the nvcc on PATH"
+    else:
+        home, source = "/usr/local/cuda", "the default"
+    lib = "lib" if not os.path.exists(os.path.join(home, "lib64")) and os.path.exists(os.path.join(home, "lib")) \
+        else "lib64"
+    libcudart = os.path.join(home, lib, "libcudart.so")
+    header = os.path.join(home, "include", "cuda_runtime.h")
+    missing = [p for p in (header, libcudart) if not os.path.exists(p)]
+    # The toolkit nvcc really runs: its dry run names it (TOP=<toolkit>/bin/..), through any wrapper.
+    toolkit = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="kernelgen-doctor-") as tmp:
+            probe = os.path.join(tmp, "probe.cu")
+            open(probe, "w").close()
+            out = subprocess.run([nvcc, "--dryrun", "-c", probe, "-o", os.path.join(tmp, "probe.o")],
+                                 capture_output=True, text=True, timeout=30)
+        for line in (out.stdout + out.stderr).splitlines():
+            if line.startswith("#$ TOP="):
+                toolkit = os.path.normpath(line[len("#$ TOP="):].strip())  # <toolkit>/bin/..
+                break
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"home": home, "home_from": source, "libcudart": libcudart, "header": header, "missing": missing,
+            "toolkit": toolkit}
+
+
+def _trial_builds(gpu: bool, cuda_buildable: bool) -> dict[str, dict]:
+    """Build a tiny kernel per device into a throw-away cache: CPU always; CUDA where a GPU is
+    visible (for its arch) or torch has CUDA and nvcc is found (for TRIAL_ARCH: compiling and
+    linking need no GPU, and that is where a broken toolkit shows)."""
     import tempfile
 
     from .cache import Cache
-    from .warm import parse_record, warm_specs
+    from .warm import local_toolchains, parse_record, warm_specs
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="kernelgen-doctor-") as tmp:
         cache = Cache(Path(tmp) / "cache")
-        for device in ("cpu", "cuda") if gpu else ("cpu",):
+        for device in ("cpu", "cuda") if gpu or cuda_buildable else ("cpu",):
             spec = parse_record({"input": [1, 4, 8, 8], "weight": [4, 4, 3, 3], "device": device})
-            r = warm_specs([spec], jobs=1, cache=cache)[0]
-            out[device] = {"status": r.status, "seconds": round(r.seconds, 2), "message": r.message[-2000:]}
+            toolchains = local_toolchains(device, None if gpu or device == "cpu" else [TRIAL_ARCH])
+            r = warm_specs([spec], toolchains=toolchains, jobs=1, cache=cache)[0]
+            out[device] = {"status": r.status, "seconds": round(r.seconds, 2), "arch": r.toolchain.arch,
+                           "message": r.message[-2000:]}
     return out
 
 
@@ -728,12 +814,18 @@ def cmd_doctor(args) -> int:
         print(f"host compiler  {host['path'] or host['name'] + ' (not found)'} {host['version'] or ''}".rstrip())
         print(f"ninja          {'yes' if facts['ninja'] else 'no'}")
         print(f"jinja2         {facts['jinja2'] or 'missing'}")
-        print(f"CUDA home      {facts['cuda_home'] or '-'}")
+        build = facts.get("cuda_build")
+        if build:
+            state = "no " + " and no ".join(build["missing"]) if build["missing"] else "headers and libcudart found"
+            runs = f"; nvcc runs {build['toolkit']}" if build["toolkit"] and build["toolkit"] != build["home"] else ""
+            print(f"CUDA home      {build['home']} (torch's builder, from {build['home_from']}): {state}{runs}")
+        else:
+            print(f"CUDA home      {facts['cuda_home'] or '-'}")
         print(f"nvcc           {nv['path'] or 'not found'} {nv['version'] or ''}".rstrip())
         extra = f", {cache['entries']} entries, {cache['bytes']} bytes" if "entries" in cache else ""
         print(f"cache          {cache['path']} ({'writable' if cache.get('writable') else 'NOT writable'}{extra})")
         for device, t in facts.get("trial_builds", {}).items():
-            print(f"trial build    {device}: {t['status']} in {t['seconds']} s")
+            print(f"trial build    {device} ({t['arch']}): {t['status']} in {t['seconds']} s")
         for n in notes:
             print(f"note: {n}")
         for p in problems:
@@ -742,154 +834,17 @@ def cmd_doctor(args) -> int:
     return EXIT_FAILED if problems else EXIT_OK
 
 
-# ---------------------------------------------------------------------------- parser
+# ---------------------------------------------------------------------------- dispatch
+
+COMMANDS = {"warm": cmd_warm, "cache_ls": cmd_cache_ls, "cache_info": cmd_cache_info, "cache_clear": cmd_cache_clear,
+            "cache_prune": cmd_cache_prune, "cache_export": cmd_cache_export, "cache_import": cmd_cache_import,
+            "cache_keygen": cmd_cache_keygen, "render": cmd_render, "doctor": cmd_doctor}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--cache-dir", metavar="DIR",
-                        help="the cache directory (default: $KERNELGEN_CACHE_DIR or ~/.cache/kernelgen)")
-    common.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
-
-    p = argparse.ArgumentParser(prog="kernelgen", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit status: 0 success, 1 some work failed, 2 bad usage or input.")
-    p.add_argument("--version", action="version", version=f"kernelgen {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    w = sub.add_parser("warm", parents=[common], help="compile kernels ahead of time into the cache",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Compile the kernels kernelgen.conv2d would compile, ahead of time.\n\n"
-                                   "Each SPECFILE is JSON (one object or an array) or JSON Lines, one call per "
-                                   "record:\n  {\"input\": [8, 64, 56, 56], \"weight\": [128, 64, 3, 3], "
-                                   "\"bias\": true, \"stride\": 1,\n   \"padding\": 1, \"dilation\": 1, "
-                                   "\"groups\": 1, \"dtype\": \"float16\", \"device\": \"cuda\"}\n"
-                                   "optional: precision (ieee|tf32), memory_format (contiguous|channels_last), "
-                                   "family, tiles {name: int}.\nA bad record is reported with its file and line "
-                                   "and skipped (exit status 2); a failed build is reported with the\ncompiler's "
-                                   "message and does not stop the others (exit status 1).")
-    w.add_argument("specfiles", nargs="*", metavar="SPECFILE", help="JSON or JSON Lines spec records")
-    w.add_argument("--examples", nargs="?", const=str(DEFAULT_EXAMPLES), metavar="DIR",
-                   help="warm every kernel examples/conv_*.py use (ModelNew at get_inputs() shapes; the harness's "
-                        "reduced shapes on the CPU), in each mode of examples/run_all.py (ieee, tf32, bf16) "
-                        f"unless --dtype/--precision narrow it (default DIR: {DEFAULT_EXAMPLES})")
-    w.add_argument("--model", metavar="MODULE:CALLABLE",
-                   help="a callable returning a torch.nn.Module; it is built and run on meta tensors (no memory, "
-                        "no data, no GPU) to find every convolution (kernelgen.Conv2d and torch convolutions alike)")
-    w.add_argument("--input-shape", type=_shape, action="append", metavar="N,C,H,W",
-                   help="the shape of one forward argument of --model (repeat for several)")
-    w.add_argument("--device", choices=("cuda", "cpu"),
-                   help="device of records that name none, and of --model/--examples (default: cuda with a "
-                        "visible GPU or --arch, else cpu)")
-    w.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"),
-                   help="dtype for --model (default float32) and --examples")
-    w.add_argument("--precision", choices=("ieee", "tf32"),
-                   help="float32 math for --model and --examples (default: torch's setting, as conv2d follows it)")
-    w.add_argument("--arch", metavar="LIST",
-                   help="CUDA targets, e.g. sm_80,sm_90a, planned and built instead of the local GPU's (needs "
-                        "torch with CUDA)")
-    w.add_argument("--wide-dram", action="store_true",
-                   help="with --arch: plan for the target's larger-memory part (for sm_90a the H200, whose DRAM "
-                        "moves 4.8 TB/s to the H100's 3.35; kernelgen.device.nominal)")
-    w.add_argument("--jobs", "-j", type=_positive, default=None,
-                   help="parallel builds (default: $KERNELGEN_JOBS or the number of cores)")
-    w.add_argument("--dry-run", action="store_true", help="list the specialisations found; build nothing")
-    w.add_argument("--tune", action="store_true",
-                   help="then time each call's top candidates on this machine's GPU (random data of the call's "
-                        "sizes) and keep the fastest in its plan record, as kernelgen.tune does")
-    w.set_defaults(func=cmd_warm)
-
-    c = sub.add_parser("cache", help="list, inspect, prune, clear, export and import cache entries",
-                       description="See and control what is in the kernel cache.")
-    csub = c.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
-    x = csub.add_parser("ls", parents=[common], help="list entries: key, family, arch, size, age, last used, spec",
-                        description="List complete entries: key, family, arch, size, age, last use, spec.")
-    x.set_defaults(func=cmd_cache_ls)
-    x = csub.add_parser("info", parents=[common], help="one entry: full spec, source paths, toolchain",
-                        description="Show one entry (a unique key prefix will do) and verify its binary.")
-    x.add_argument("key", metavar="KEY")
-    x.set_defaults(func=cmd_cache_info)
-    x = csub.add_parser("clear", parents=[common], help="remove every entry",
-                        description="Remove every entry, index file and failed build.")
-    x.set_defaults(func=cmd_cache_clear)
-    x = csub.add_parser("prune", parents=[common], help="remove old entries and cap the size",
-                        description="Remove entries unused for longer than AGE, then the least recently used "
-                                    "until the cache is at most SIZE.")
-    x.add_argument("--max-size", metavar="SIZE", help="e.g. 500M, 2G (powers of 1024), 2GB (powers of 1000)")
-    x.add_argument("--older-than", metavar="AGE", help="unused for longer than, e.g. 30m, 12h, 7d, 2w")
-    x.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    x.set_defaults(func=cmd_cache_prune)
-    x = csub.add_parser("export", parents=[common], help="write entries to a tar.gz for machines without a compiler",
-                        description="Write verified entries (manifest, .so, sources) and a manifest of "
-                                    "sha256 checksums to a tar.gz.")
-    x.add_argument("file", metavar="FILE")
-    x.add_argument("--key", action="append", metavar="KEY", help="only this entry (repeatable; prefixes work)")
-    x.add_argument("--secret", metavar="FILE", help="sign the archive with the secret in FILE (default: "
-                   "$KERNELGEN_ARCHIVE_SECRET; `kernelgen cache keygen FILE` makes one)")
-    x.set_defaults(func=cmd_cache_export)
-    x = csub.add_parser("import", parents=[common], help="import an exported tar.gz, verifying it",
-                        description="Import entries from `kernelgen cache export`. An archive carries compiled "
-                                    "code that kernelgen did not build here, and its checksums are its own, so "
-                                    "only a signature says who made it: archives must be signed with your secret "
-                                    "(--secret) unless --trust-unsigned is given. Every member name and checksum "
-                                    "is verified; entries built by another toolchain (torch, CUDA, compilers, "
-                                    "arch) are skipped; nothing is written outside the cache directory.")
-    x.add_argument("file", metavar="FILE")
-    x.add_argument("--secret", metavar="FILE", help="the secret the archive must be signed with (default: "
-                   "$KERNELGEN_ARCHIVE_SECRET)")
-    x.add_argument("--trust-unsigned", action="store_true",
-                   help="import an unsigned archive (or one not checked against a secret): its code will run here")
-    x.add_argument("--arch", metavar="LIST",
-                   help="CUDA targets to accept (default: the local GPU's; every arch where no GPU is visible)")
-    x.set_defaults(func=cmd_cache_import)
-    x = csub.add_parser("keygen", parents=[common], help="write a new secret for signing archives",
-                        description="Write 256 random bits (hex) to FILE, readable by you only. Share it with the "
-                                    "machines that import your archives, and nobody else.")
-    x.add_argument("file", metavar="FILE")
-    x.set_defaults(func=cmd_cache_keygen)
-
-    r = sub.add_parser("render", help="print the source kernelgen would compile for a convolution",
-                       description="Print the CUDA (or C++) source, with its banner, that kernelgen would compile "
-                                   "for a call of conv2d with these arguments.")
-    r.add_argument("--input", type=_shape, required=True, metavar="N,C,H,W", help="input shape")
-    r.add_argument("--weight", type=_shape, required=True, metavar="K,C/g,R,S", help="weight shape")
-    r.add_argument("--bias", action="store_true", help="with a bias")
-    r.add_argument("--stride", type=_int_or_pair, default=1, metavar="S[,S]")
-    r.add_argument("--padding", type=_int_or_pair, default=0, metavar="P[,P]|same|valid")
-    r.add_argument("--dilation", type=_int_or_pair, default=1, metavar="D[,D]")
-    r.add_argument("--groups", type=int, default=1)
-    r.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"))
-    r.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    r.add_argument("--precision", choices=("ieee", "tf32"), help="float32 math (default: torch's setting)")
-    r.add_argument("--memory-format", default="contiguous", choices=("contiguous", "channels_last"))
-    r.add_argument("--family", help="force a kernel family")
-    r.add_argument("--tile", action="append", metavar="NAME=INT", help="force a tile size (repeatable)")
-    r.add_argument("--arch", metavar="ARCH", help="plan for this CUDA target, e.g. sm_90a (default: the local "
-                                                   "GPU's; where none is visible, families that need one are "
-                                                   "not chosen)")
-    r.add_argument("--wide-dram", action="store_true", help="with --arch: plan for the target's larger-memory part (the H200 for sm_90a)")
-    r.add_argument("--unit", choices=("cuda", "cpp", "all"),
-                   help="which translation unit (default: cuda for a cuda spec, cpp for cpu)")
-    r.set_defaults(func=cmd_render)
-
-    d = sub.add_parser("doctor", parents=[common], help="report what kernelgen needs and what would stop a compile",
-                       description="Report torch, CUDA, nvcc, the GPU and its arch, the cache directory, and "
-                                   "what would stop a compile. Exit status 1 if something would.")
-    d.add_argument("--try-build", action="store_true", help="also build a tiny kernel into a throw-away cache")
-    d.add_argument("--verify", action="store_true", help="re-hash every cached binary against its manifest")
-    d.set_defaults(func=cmd_doctor)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `kernelgen` command; returns the exit status (0 ok, 1 work failed, 2 bad usage or input)."""
-    parser = build_parser()
+def run(args) -> int:
+    """Run the command kernelgen_cli parsed into `args`; returns the exit status."""
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2)
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    try:
-        return args.func(args)
+        return COMMANDS[args.command_name](args)
     except UsageError as exc:
         _err(str(exc))
         return EXIT_USAGE
@@ -903,6 +858,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _err(str(exc))
             return EXIT_USAGE
         raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `kernelgen` command; returns the exit status (0 ok, 1 work failed, 2 bad usage or input).
+    The same as kernelgen_cli.main, which parses the command line before importing this package."""
+    from kernelgen_cli import main as parse_and_run
+
+    return parse_and_run(argv)
 
 
 if __name__ == "__main__":

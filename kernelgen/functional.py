@@ -17,12 +17,13 @@ import functools
 import json
 import logging
 import numbers
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
 from . import compiled, config, plans
-from .kernels import count, entry_spec, load_entry, load_kernel, workspace_bytes
+from .kernels import count, entry_spec, load_entry, load_kernel, stats, workspace_bytes
 from .precision import check_override, torch_fp32_conv_math
 
 if TYPE_CHECKING:
@@ -302,6 +303,8 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
                 launch = load_entry(record["key"], cache, expect=_runtime_fields(device, arch))
                 if launch is not None and plans.fits(record, entry_spec(record["key"]), input, weight, bias, stride,
                                                      padding, dilation, groups):
+                    log.debug("plan for conv2d(input %s, weight %s): %s (from its plan record)",
+                              tuple(input.shape), tuple(weight.shape), record.get("summary"))
                     return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias)
             except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
                 record = None
@@ -356,6 +359,7 @@ def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, grou
     device = input.device.type
     toolchain = current("cpu") if device == "cpu" else current("cuda", _gpu(input.device.index).arch)
     fell_back = False
+    compiles, start = stats()["compiles"], time.perf_counter()
     try:
         launch, key = load_kernel(spec, toolchain)
     except CompileError:
@@ -370,6 +374,9 @@ def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, grou
         spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
                               family="direct")
         launch, key = load_kernel(spec, toolchain)
+    why = ("forced by the call" if family is not None else "the direct family, after the chosen one failed to build"
+           if fell_back else "measured fastest on this GPU" if tuned_record is not None else "the selector's choice")
+    _log_plan(spec, input, weight, why, stats()["compiles"] > compiles, time.perf_counter() - start)
     cache = _default_cache()
     prep = _prep_name(spec)
     call_fields = _call_fields(call)
@@ -380,6 +387,28 @@ def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, grou
             record["tuned"] = tuned_record["tuned"]
         plans.write(cache.root, record_name, record)
     return _plan(launch, key, call_fields, prep, input, weight, bias)
+
+
+_compiled_before = False  # whether this process has compiled a kernel for a call yet
+
+
+def _log_plan(spec: "ConvSpec", input: torch.Tensor, weight: torch.Tensor, why: str, compiled: bool,
+              seconds: float) -> None:
+    """Say what a new call signature got: the kernel (family and tiles) and why, at DEBUG; where it
+    compiled, that and how long the call waited, at INFO, or at WARNING the first time in a process,
+    since that is the unexplained pause a user sees and `kernelgen warm` is what avoids it."""
+    global _compiled_before
+    shapes = f"input {tuple(input.shape)} {str(input.dtype)[6:]}, weight {tuple(weight.shape)}"
+    if not compiled:
+        log.debug("plan for conv2d(%s): %s (%s; kernel loaded, not compiled)", shapes, spec.summary(), why)
+    elif not _compiled_before:
+        _compiled_before = True
+        log.warning("kernelgen compiled a kernel for a new conv2d shape (%s) in %.1f s: %s (%s). Each new shape "
+                    "compiles once and is cached on disk; `kernelgen warm` compiles ahead of time. Later compiles "
+                    "are logged at INFO (logger 'kernelgen', or TORCH_LOGS=+kernelgen).", shapes, seconds,
+                    spec.summary(), why)
+    else:
+        log.info("compiled conv2d(%s) in %.1f s: %s (%s)", shapes, seconds, spec.summary(), why)
 
 
 def _call_fields(call: "Call") -> list:

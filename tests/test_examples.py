@@ -288,6 +288,8 @@ def test_cpu_path_passes(harness, example, precision):
     assert result.ok, result.why()
     line = harness.result_line(result)
     assert line.endswith("PASS") and f"KernelBench 1/{PROBLEMS[result.case].number}" in line
+    # The CPU has no TF32: a 'tf32' run is plain float32 there, and its line says so, as the heading does.
+    assert ", tf32," not in line and (", float32," in line) == (precision == "tf32")
     assert _table_results(harness.table([result], opts)) == {f"{result.problem} {result.case}": "PASS"}
 
 
@@ -313,6 +315,7 @@ def test_run_all_on_the_cpu_path():
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
     assert f"CPU path ({why}): reduced shapes" in done.stdout
+    assert "TF32 does not apply on the CPU" in done.stdout and "for correctness and portability" in done.stdout
     results = _table_results(done.stdout)
     assert results == {f"{p.number} {name}": "PASS" for name, p in PROBLEMS.items()}, done.stdout
 
