@@ -17,7 +17,9 @@ where torchvision is installed, the distinct layers of networks.py's six network
         [--budget-s 480] [--no-networks] [--out kernelgen/tables/<gpu>.json] [--merge OLD.json]
 
 `--merge` keeps an earlier table's rows (of the same GPU model) and adds these; a layer measured
-again replaces its old row. `--list` prints the training layers and needs no GPU.
+again replaces its old row. `--list` prints the training layers and needs no GPU; so do `--check
+TABLE` (leave-one-out of the selector over a table's rows) and `--refit TABLE` (its cost model fitted
+again to its rows, after a family's cost hooks change).
 """
 
 from __future__ import annotations
