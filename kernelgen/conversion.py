@@ -20,11 +20,10 @@ SiLU, residual add in the kernels) and weights packed once per weight version.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +73,7 @@ def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = Fal
     compute the convolution themselves. Parameters (the same objects), buffers, hooks, the
     training flag, device, dtype and `state_dict` keys are kept.
 
-    example_inputs: a tensor or a tuple of the model's positional arguments. When given, the
+    example_inputs: a tuple of the model's positional arguments, or its one argument. When given, the
         model is run on them once (in eval mode and under no_grad, so BatchNorm statistics are
         not updated), recording each layer's call for `report`.
     fold_bn: fold each BatchNorm2d that directly follows a convolution (its only user) into the
@@ -94,7 +93,7 @@ def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = Fal
         raise ValueError(f"{'tune=True' if tune else f'fallback={fallback!r}'} needs example_inputs: the layers "
                          "are measured on the calls the model makes on them")
     folded = fold_batchnorm(model) if fold_bn else {}
-    for name, m in model.named_modules():
+    for m in model.modules():
         target = _target_class(m)
         if target is not None:
             _swap(m, target)
@@ -133,7 +132,9 @@ def revert(model: nn.Module) -> nn.Module:
 # --- conversion -----------------------------------------------------------------------------------
 
 _subclasses: dict[type, type] = {}
-_calls: dict | None = None  # while `_record` runs: layer -> its call (kernelgen.conv2d's arguments)
+# While `_record` runs: layer -> its call (kernelgen.conv2d's arguments). One recording at a time per
+# process: the hooks and the subclasses' _conv_forward write here.
+_calls: dict | None = None
 
 
 def _target_class(m: nn.Module) -> type | None:
@@ -156,13 +157,25 @@ def _target_class(m: nn.Module) -> type | None:
 
 def _subclass(cls: type) -> type:
     """`cls` (a torch.nn.Conv2d subclass) with its convolution on kernelgen: its own forward
-    first in the method order, then kernelgen.Conv2d's; `_conv_forward` calls kernelgen.conv2d."""
+    first in the method order, then kernelgen.Conv2d's; `_conv_forward` calls kernelgen.conv2d.
+    One class per `cls`, so converted layers of one class share a type."""
     sub = _subclasses.get(cls)
     if sub is None:
         sub = _subclasses[cls] = type(cls.__name__, (cls, KgConv2d), {
-            "_conv_forward": _kg_conv_forward, "__module__": cls.__module__,
+            "_conv_forward": _kg_conv_forward, "__reduce_ex__": _reduce_ex, "__module__": cls.__module__,
             "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
     return sub
+
+
+def _reduce_ex(self, protocol):
+    # A class made at run time cannot be pickled by name: pickle (and deepcopy) the layer as its
+    # original class, and make the kernelgen subclass again on loading.
+    return _rebuild, (type(self).__mro__[1],), self.__getstate__()
+
+
+def _rebuild(cls: type) -> nn.Module:
+    sub = _subclass(cls)
+    return sub.__new__(sub)
 
 
 def _kg_conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -305,7 +318,7 @@ def _record(model: nn.Module, example_inputs: Any) -> dict[nn.Module, dict]:
     after) and return each converted layer's call (its last, where it is called several times);
     each layer's Layer gets the call's input and plan."""
     global _calls
-    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     layers = [m for m in model.modules() if ATTR in m.__dict__]  # fallback layers too, for report
     modes = {m: m.training for m in model.modules()}
     handles = [m.register_forward_pre_hook(_pre_hook) for m in layers]
