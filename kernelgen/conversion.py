@@ -147,8 +147,9 @@ def _target_class(m: nn.Module) -> type | None:
         return None
     if cls is nn.Conv2d:
         return KgConv2d
+    code = getattr(cls.forward, "__code__", None)  # (None: a wrapped forward, which we cannot read)
     if cls._conv_forward is not nn.Conv2d._conv_forward or (
-            cls.forward is not nn.Conv2d.forward and "_conv_forward" not in cls.forward.__code__.co_names):
+            cls.forward is not nn.Conv2d.forward and (code is None or "_conv_forward" not in code.co_names)):
         log.debug("kernelgen.convert: %s computes its convolution itself (not through "
                   "torch.nn.Conv2d._conv_forward); left on torch", cls.__qualname__)
         return None

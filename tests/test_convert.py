@@ -378,3 +378,34 @@ def test_converted_model_pickles_and_deep_copies(tmp_path):
             assert torch.equal(m(x), model(x))
         kernelgen.revert(m)
         assert type(m.ws) is WSConv2d
+
+
+class Shared(nn.Module):
+    """One conv called twice, each time before a BatchNorm: neither bn can be folded into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.a, self.b = nn.BatchNorm2d(8), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.b(self.conv(self.a(self.conv(x))))
+
+
+def test_a_shared_conv_is_converted_once_and_not_folded():
+    torch.manual_seed(0)
+    model, x = _randomise_bn(Shared()).eval(), torch.randn(2, 8, 12, 12)
+    with torch.no_grad():
+        ref = model(x)
+    kernelgen.convert(model, x, fold_bn=True)
+    assert type(model.conv) is kernelgen.Conv2d and isinstance(model.a, nn.BatchNorm2d)
+    assert [r["name"] for r in kernelgen.report(model).rows] == ["conv"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lone_conv_converts_as_the_model_itself():
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    assert type(kernelgen.convert(conv)) is kernelgen.Conv2d
+    assert kernelgen.report(conv).rows[0]["name"] == "Conv2d"
+    assert type(kernelgen.revert(conv)) is nn.Conv2d
