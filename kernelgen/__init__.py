@@ -17,7 +17,8 @@ from .kernels import stats
 # the cache needs none of these modules, and each one costs import time (issue 2).
 _LAZY = {"ConvSpec": "spec", "Conv2d": "nn", "KernelgenError": "errors", "ConvArgumentError": "errors",
          "CompileError": "errors", "CacheError": "errors", "Unsupported": "errors", "tune": "tuner",
-         "tune_calls": "tuner", "TuneResult": "tuner"}
+         "tune_calls": "tuner", "TuneResult": "tuner", "convert": "conversion", "revert": "conversion",
+         "report": "conversion"}
 
 
 def __getattr__(name):
