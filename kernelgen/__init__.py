@@ -37,4 +37,4 @@ def __dir__():
 
 
 __all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "stats", "tune", "tune_calls", "TuneResult",
-           "KernelgenError", "ConvArgumentError", "CompileError", "CacheError", "Unsupported"]
+           "convert", "revert", "report", "KernelgenError", "ConvArgumentError", "CompileError", "CacheError", "Unsupported"]
