@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import json
 import operator
+import threading
 from typing import Mapping, Optional
 
 import torch
+
+# Set while the operator's real implementation runs: the eager call inside it computes with kernels
+# rather than routing back to the operator (see `route`).
+_inside = threading.local()
 
 
 @torch.library.custom_op("kernelgen::conv2d", mutates_args=())
@@ -32,8 +37,12 @@ def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """The call, computed eagerly by kernelgen.conv2d (its output is always a new tensor)."""
     from .functional import conv2d
 
-    return conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups, precision=precision,
-                  family=family, tiles=None if tiles is None else json.loads(tiles))
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        return conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups, precision=precision,
+                      family=family, tiles=None if tiles is None else json.loads(tiles))
+    finally:
+        _inside.depth -= 1
 
 
 @conv2d_op.register_fake
@@ -101,3 +110,21 @@ def call(input, weight, bias, stride, padding, dilation, groups, precision: str 
     return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
                      mode, _ints("dilation", dilation), _int("groups", groups), precision, family,
                      None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
+
+
+def route(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
+          tiles: Mapping[str, int] | None) -> torch.Tensor | None:
+    """An eager call that cannot read its tensors' memory, through the operator; None where the
+    eager path should run it.
+
+    functional.conv2d asks this only when something is watching or wrapping the call: a fake,
+    functional or other subclass tensor, a dispatch mode (FakeTensorMode). Each of them sees the
+    operator as it sees an aten op: the fake implementation gives FakeTensors their output.
+    Inside the operator (`_inside`), and for arguments that are not tensors, the eager path runs
+    and explains.
+    """
+    if getattr(_inside, "depth", 0) or not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
+                                            and (bias is None or isinstance(bias, torch.Tensor))):
+        return None
+    return call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+

@@ -1,0 +1,62 @@
+"""Compile tier: PyTorch's tools around an eager call (FakeTensorMode) see kernelgen.conv2d as they
+see F.conv2d; on the CPU family."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernelgen
+
+pytestmark = pytest.mark.compile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def close(y, ref):
+    return y.shape == ref.shape and ((y.double() - ref.double()).norm() / ref.double().norm()).item() <= 1e-5
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(kernelgen.Conv2d(4, 8, 3, padding=1, **kw), torch.nn.ReLU(),
+                               kernelgen.Conv2d(8, 6, (3, 5), stride=(2, 1), padding="valid", groups=2)).eval()
+
+
+# FakeTensorMode: an eager call read FakeTensors' (absent) memory and crashed the process, so the
+# test runs in a child process of its own.
+FAKE = r"""
+import torch, kernelgen
+from torch._subclasses.fake_tensor import FakeTensorMode
+before = kernelgen.stats()["compiles"]
+real = torch.randn(6, 4, 3, 3)
+with FakeTensorMode() as mode:
+    for x in (torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8).contiguous(memory_format=torch.channels_last),
+              torch.randn(4, 9, 7, dtype=torch.float64)):
+        m = kernelgen.Conv2d(4, 6, 3, padding=1, dtype=x.dtype)
+        with torch.no_grad():
+            y = m(x)
+        ref = torch.nn.functional.conv2d(x, m.weight, m.bias, padding=1)
+        assert type(y).__name__ == "FakeTensor", type(y)
+        assert (y.shape, y.dtype, y.stride()) == (ref.shape, ref.dtype, ref.stride()), (y.stride(), ref.stride())
+    y = kernelgen.conv2d(mode.from_tensor(torch.randn(1, 4, 5, 5)), mode.from_tensor(torch.randn(8, 2, 3, 3)),
+                         stride=2, groups=2)
+    assert y.shape == (1, 8, 2, 2)
+    try:  # a real weight in a fake call: FakeTensorMode's own error, not a read of fake memory
+        kernelgen.conv2d(mode.from_tensor(torch.randn(1, 4, 8, 8)), real)
+        raise AssertionError("no error")
+    except Exception as e:
+        assert "FakeTensor" in str(e), e
+assert kernelgen.stats()["compiles"] == before
+print("ok")
+"""
+
+
+def test_fake_tensor_mode_gives_a_fake_output_without_a_kernel():
+    p = subprocess.run([sys.executable, "-c", FAKE], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])
