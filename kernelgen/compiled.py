@@ -118,8 +118,9 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
     eager path should run it.
 
     functional.conv2d asks this only when something is watching or wrapping the call: a fake,
-    functional or other subclass tensor, a dispatch mode (FakeTensorMode). Each of them sees the
-    operator as it sees an aten op: the fake implementation gives FakeTensors their output.
+    functional or other subclass tensor, a dispatch mode (FakeTensorMode), a functorch transform
+    (vmap). Each of them sees the operator as it sees an aten op: the fake implementation gives
+    FakeTensors their output, the vmap rule below folds the vmapped dimension into the batch.
     Inside the operator (`_inside`), and for arguments that are not tensors, the eager path runs
     and explains.
     """
@@ -128,3 +129,25 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
         return None
     return call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
 
+
+def _vmap(info, in_dims, input, weight, bias, *params):
+    """torch.vmap over a call: a vmapped input (weight and bias shared) is one call whose batch is
+    the vmapped dimension times the input's own (or, for unbatched samples, the vmapped dimension);
+    a vmapped weight or bias is one call per sample, stacked (correct; as slow as a loop)."""
+    x_dim, w_dim, b_dim = in_dims[:3]
+    if w_dim is None and b_dim is None:
+        x = input.movedim(x_dim, 0)
+        if x.dim() == 4:  # (vmapped, C, H, W): each sample an unbatched input
+            return conv2d_op(x, weight, bias, *params), 0
+        y = conv2d_op(x.flatten(0, 1), weight, bias, *params)
+        return y.unflatten(0, x.shape[:2]), 0
+
+    def sample(t, dim, i):
+        return t if t is None or dim is None else t.select(dim, i)
+
+    ys = [conv2d_op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), *params)
+          for i in range(info.batch_size)]
+    return torch.stack(ys), 0
+
+
+conv2d_op.register_vmap(_vmap)

@@ -1,5 +1,5 @@
-"""Compile tier: PyTorch's tools around an eager call (FakeTensorMode) see kernelgen.conv2d as they
-see F.conv2d; on the CPU family."""
+"""Compile tier: PyTorch's tools around an eager call (FakeTensorMode, vmap) see kernelgen.conv2d as
+they see F.conv2d; on the CPU family."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernelgen
 
@@ -60,3 +61,25 @@ def test_fake_tensor_mode_gives_a_fake_output_without_a_kernel():
     p = subprocess.run([sys.executable, "-c", FAKE], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stderr[-2000:])
+
+
+@pytest.mark.parametrize("case", ["batched", "unbatched samples", "in_dims=1", "channels_last", "weights"])
+def test_vmap_matches_f_conv2d(case):
+    torch.manual_seed(0)
+    w, b = torch.randn(6, 4, 3, 3), torch.randn(6)
+    kw = dict(stride=(2, 1), padding=1)
+    in_dims, xs = 0, torch.randn(3, 2, 4, 9, 8)
+    if case == "unbatched samples":
+        xs = torch.randn(3, 4, 9, 8)
+    elif case == "in_dims=1":
+        in_dims, xs = 1, torch.randn(2, 3, 4, 9, 8)
+    elif case == "channels_last":
+        xs = torch.randn(3 * 2, 4, 9, 8).contiguous(memory_format=torch.channels_last).unflatten(0, (3, 2))
+    if case == "weights":
+        ws = torch.randn(3, 6, 4, 3, 3)
+        y = torch.vmap(lambda x, w: kernelgen.conv2d(x, w, b, **kw))(xs, ws)
+        ref = torch.vmap(lambda x, w: F.conv2d(x, w, b, **kw))(xs, ws)
+    else:
+        y = torch.vmap(lambda x: kernelgen.conv2d(x, w, b, **kw), in_dims=in_dims)(xs)
+        ref = torch.vmap(lambda x: F.conv2d(x, w, b, **kw), in_dims=in_dims)(xs)
+    assert close(y, ref)
