@@ -24,6 +24,7 @@ import threading
 from typing import Mapping, Optional
 
 import torch
+from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
 # Set while the operator's real implementation runs: the eager call inside it computes with kernels
 # rather than routing back to the operator (see `route`).
@@ -120,7 +121,8 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
     functional.conv2d asks this only when something is watching or wrapping the call: a fake,
     functional or other subclass tensor, a dispatch mode (FakeTensorMode), a functorch transform
     (vmap). Each of them sees the operator as it sees an aten op: the fake implementation gives
-    FakeTensors their output, the vmap rule below folds the vmapped dimension into the batch.
+    FakeTensors their output, the vmap rule below folds the vmapped dimension into the batch, the
+    flop formula (FlopCounterMode) counts it.
     Inside the operator (`_inside`), and for arguments that are not tensors, the eager path runs
     and explains.
     """
@@ -151,3 +153,13 @@ def _vmap(info, in_dims, input, weight, bias, *params):
 
 
 conv2d_op.register_vmap(_vmap)
+
+
+@register_flop_formula(torch.ops.kernelgen.conv2d)
+def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """FlopCounterMode's count for a call: torch's own convolution formula (an unbatched call counts
+    as a batch of one, as F.conv2d's aten.convolution sees it). Registered at import, since each
+    FlopCounterMode copies the formulas it is created with."""
+    if len(x_shape) == 3:
+        x_shape, out_shape = (1, *x_shape), (1, *out_shape)
+    return conv_flop_count(x_shape, w_shape, out_shape)

@@ -1,5 +1,5 @@
-"""Compile tier: PyTorch's tools around an eager call (FakeTensorMode, vmap) see kernelgen.conv2d as
-they see F.conv2d; on the CPU family."""
+"""Compile tier: PyTorch's tools around an eager call (FakeTensorMode, vmap, FlopCounterMode) see
+kernelgen.conv2d as they see F.conv2d; on the CPU family."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 import kernelgen
 
@@ -83,3 +84,15 @@ def test_vmap_matches_f_conv2d(case):
         y = torch.vmap(lambda x: kernelgen.conv2d(x, w, b, **kw), in_dims=in_dims)(xs)
         ref = torch.vmap(lambda x: F.conv2d(x, w, b, **kw), in_dims=in_dims)(xs)
     assert close(y, ref)
+
+
+@pytest.mark.parametrize("x", [torch.randn(2, 4, 16, 16), torch.randn(4, 16, 16)], ids=["batched", "unbatched"])
+def test_flop_counter_counts_as_for_nn_conv2d(x):
+    theirs = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(),
+                                 torch.nn.Conv2d(8, 6, (3, 5), stride=(2, 1), groups=2))
+    counts = []
+    for m in (theirs, _model()):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            m(x)
+        counts.append(counter.get_total_flops())
+    assert counts[0] > 0 and counts[1] == counts[0]
