@@ -1,5 +1,5 @@
-"""Compile tier: PyTorch's tools around an eager call (FakeTensorMode, vmap, FlopCounterMode) see
-kernelgen.conv2d as they see F.conv2d; on the CPU family."""
+"""Compile tier: PyTorch's tools around an eager call (FakeTensorMode, vmap, FlopCounterMode, the
+profiler) see kernelgen.conv2d as they see F.conv2d; on the CPU family."""
 
 from __future__ import annotations
 
@@ -96,3 +96,15 @@ def test_flop_counter_counts_as_for_nn_conv2d(x):
             m(x)
         counts.append(counter.get_total_flops())
     assert counts[0] > 0 and counts[1] == counts[0]
+
+
+def test_profiler_shows_a_range_per_call():
+    m = _model()
+    x = torch.randn(2, 4, 16, 16)
+    with torch.no_grad():
+        eager = m(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = m(x)
+    names = [e.name for e in prof.events()]
+    assert names.count("kernelgen::conv2d") == 2, names
+    assert torch.equal(y, eager)
