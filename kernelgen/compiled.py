@@ -120,10 +120,11 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
 
     functional.conv2d asks this only when something is watching or wrapping the call: a fake,
     functional or other subclass tensor, a dispatch mode (FakeTensorMode, FlopCounterMode), a
-    functorch transform (vmap) or the profiler. Each of them sees the operator as it sees an aten
-    op: the fake implementation gives FakeTensors their output, the vmap rule below folds the
-    vmapped dimension into the batch, the flop formula counts it, the profiler shows one
-    `kernelgen::conv2d` range (the dispatcher's, around the launch).
+    functorch transform (vmap), the TorchScript tracer or the profiler. Each of them sees the
+    operator as it sees an aten op: the fake implementation gives FakeTensors their output, the
+    vmap rule below folds the vmapped dimension into the batch, the flop formula counts it, the
+    tracer records one node, the profiler shows one `kernelgen::conv2d` range (the dispatcher's,
+    around the launch).
     Inside the operator (`_inside`), and for arguments that are not tensors, the eager path runs
     and explains.
     """

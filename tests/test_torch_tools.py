@@ -1,5 +1,5 @@
 """Compile tier: PyTorch's tools around an eager call (FakeTensorMode, vmap, FlopCounterMode, the
-profiler) see kernelgen.conv2d as they see F.conv2d; on the CPU family."""
+profiler, TorchScript) see kernelgen.conv2d as they see F.conv2d; on the CPU family."""
 
 from __future__ import annotations
 
@@ -108,3 +108,22 @@ def test_profiler_shows_a_range_per_call():
     names = [e.name for e in prof.events()]
     assert names.count("kernelgen::conv2d") == 2, names
     assert torch.equal(y, eager)
+
+
+def test_jit_trace_records_the_operator(tmp_path):
+    m = _model()
+    x = torch.randn(2, 4, 16, 16)
+    with torch.no_grad():
+        traced = torch.jit.trace(m, (x,))
+        assert str(traced.inlined_graph).count("kernelgen::conv2d") == 2
+        torch.jit.save(traced, tmp_path / "m.pt")
+        loaded = torch.jit.load(tmp_path / "m.pt")
+        x2 = torch.randn(3, 4, 12, 10)
+        assert torch.equal(traced(x), m(x))
+        assert torch.equal(loaded(x2), m(x2))
+
+
+def test_jit_script_names_the_ways_that_work():
+    with pytest.raises(RuntimeError, match="torch.jit.script cannot compile kernelgen.Conv2d") as info:
+        torch.jit.script(_model())
+    assert "kernelgen.revert" in str(info.value) and "torch.jit.trace" in str(info.value)
