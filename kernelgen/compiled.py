@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import operator
+import sys
 import threading
 from typing import Mapping, Optional
 
@@ -106,7 +107,12 @@ def _ints(name: str, value) -> list[int]:
 def call(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
          tiles: Mapping[str, int] | None) -> torch.Tensor:
     """conv2d's call through the operator, its arguments in the schema's forms (int lists; padding
-    'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here."""
+    'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here.
+
+    Under ONNX export the call is F.conv2d instead: its semantics, which both exporters write as a
+    standard `Conv` (an ONNX file never runs kernelgen's kernels)."""
+    if _onnx_exporting():
+        return torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
     mode = padding if isinstance(padding, str) else None
     return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
                      mode, _ints("dilation", dilation), _int("groups", groups), precision, family,
@@ -123,15 +129,22 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
     functorch transform (vmap), the TorchScript tracer or the profiler. Each of them sees the
     operator as it sees an aten op: the fake implementation gives FakeTensors their output, the
     vmap rule below folds the vmapped dimension into the batch, the flop formula counts it, the
-    tracer records one node, the profiler shows one `kernelgen::conv2d` range (the dispatcher's,
-    around the launch).
-    Inside the operator (`_inside`), and for arguments that are not tensors, the eager path runs
-    and explains.
+    tracer records one node, the profiler one `kernelgen::conv2d` range. Inside the operator
+    (`_inside`), and for arguments that are not tensors, the eager path runs and explains.
     """
     if getattr(_inside, "depth", 0) or not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
                                             and (bias is None or isinstance(bias, torch.Tensor))):
         return None
     return call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+
+
+@torch.compiler.assume_constant_result
+def _onnx_exporting() -> bool:
+    """Whether torch.onnx.export (either exporter) is capturing the model. A constant of the whole
+    capture to Dynamo (the dynamo exporter captures with torch.export). torch.onnx not imported
+    means no export, and importing it would cost a process ~50 ms."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
 
 
 def _vmap(info, in_dims, input, weight, bias, *params):
