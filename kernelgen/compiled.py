@@ -14,6 +14,9 @@ and padding as int lists (padding 'same' or 'valid' as `padding_mode`), tiles as
 no backward kernels, so the operator's backward is a second operator, `kernelgen::conv2d_backward`,
 that raises what an eager backward raises when it runs: a graph whose parameters require grad
 still compiles (its backward is traced then) and runs forward.
+
+Eager calls that PyTorch's tools wrap or watch (FakeTensorMode, vmap, FlopCounterMode, the profiler,
+the TorchScript tracer, ONNX export) take the same operator (`route`), so each tool sees one op.
 """
 
 from __future__ import annotations
@@ -121,8 +124,8 @@ def call(input, weight, bias, stride, padding, dilation, groups, precision: str 
 
 def route(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
           tiles: Mapping[str, int] | None) -> torch.Tensor | None:
-    """An eager call that cannot read its tensors' memory, through the operator; None where the
-    eager path should run it.
+    """An eager call that something wraps or watches, through the operator; None where the eager
+    path should run it.
 
     functional.conv2d asks this only when something is watching or wrapping the call: a fake,
     functional or other subclass tensor, a dispatch mode (FakeTensorMode, FlopCounterMode), a
