@@ -14,15 +14,25 @@ and padding as int lists (padding 'same' or 'valid' as `padding_mode`), tiles as
 no backward kernels, so the operator's backward is a second operator, `kernelgen::conv2d_backward`,
 that raises what an eager backward raises when it runs: a graph whose parameters require grad
 still compiles (its backward is traced then) and runs forward.
+
+Eager calls that PyTorch's tools wrap or watch (FakeTensorMode, vmap, FlopCounterMode, the profiler,
+the TorchScript tracer, ONNX export) take the same operator (`route`), so each tool sees one op.
 """
 
 from __future__ import annotations
 
 import json
 import operator
+import sys
+import threading
 from typing import Mapping, Optional
 
 import torch
+from torch.utils.flop_counter import conv_flop_count, register_flop_formula
+
+# Set while the operator's real implementation runs: the eager call inside it computes with kernels
+# rather than routing back to the operator (see `route`).
+_inside = threading.local()
 
 
 @torch.library.custom_op("kernelgen::conv2d", mutates_args=())
@@ -32,8 +42,12 @@ def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """The call, computed eagerly by kernelgen.conv2d (its output is always a new tensor)."""
     from .functional import conv2d
 
-    return conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups, precision=precision,
-                  family=family, tiles=None if tiles is None else json.loads(tiles))
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        return conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups, precision=precision,
+                      family=family, tiles=None if tiles is None else json.loads(tiles))
+    finally:
+        _inside.depth -= 1
 
 
 @conv2d_op.register_fake
@@ -96,8 +110,74 @@ def _ints(name: str, value) -> list[int]:
 def call(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
          tiles: Mapping[str, int] | None) -> torch.Tensor:
     """conv2d's call through the operator, its arguments in the schema's forms (int lists; padding
-    'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here."""
+    'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here.
+
+    Under ONNX export the call is F.conv2d instead: its semantics, which both exporters write as a
+    standard `Conv` (an ONNX file never runs kernelgen's kernels)."""
+    if _onnx_exporting():
+        return torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
     mode = padding if isinstance(padding, str) else None
     return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
                      mode, _ints("dilation", dilation), _int("groups", groups), precision, family,
                      None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
+
+
+def route(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
+          tiles: Mapping[str, int] | None) -> torch.Tensor | None:
+    """An eager call that something wraps or watches, through the operator; None where the eager
+    path should run it.
+
+    functional.conv2d asks this only when something is watching or wrapping the call: a fake,
+    functional or other subclass tensor, a dispatch mode (FakeTensorMode, FlopCounterMode), a
+    functorch transform (vmap), the TorchScript tracer or the profiler. Each of them sees the
+    operator as it sees an aten op: the fake implementation gives FakeTensors their output, the
+    vmap rule below folds the vmapped dimension into the batch, the flop formula counts it, the
+    tracer records one node, the profiler one `kernelgen::conv2d` range. Inside the operator
+    (`_inside`), and for arguments that are not tensors, the eager path runs and explains.
+    """
+    if getattr(_inside, "depth", 0) or not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
+                                            and (bias is None or isinstance(bias, torch.Tensor))):
+        return None
+    return call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+
+
+@torch.compiler.assume_constant_result
+def _onnx_exporting() -> bool:
+    """Whether torch.onnx.export (either exporter) is capturing the model. A constant of the whole
+    capture to Dynamo (the dynamo exporter captures with torch.export). torch.onnx not imported
+    means no export, and importing it would cost a process ~50 ms."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
+
+
+def _vmap(info, in_dims, input, weight, bias, *params):
+    """torch.vmap over a call: a vmapped input (weight and bias shared) is one call whose batch is
+    the vmapped dimension times the input's own (or, for unbatched samples, the vmapped dimension);
+    a vmapped weight or bias is one call per sample, stacked (correct; as slow as a loop)."""
+    x_dim, w_dim, b_dim = in_dims[:3]
+    if w_dim is None and b_dim is None:
+        x = input.movedim(x_dim, 0)
+        if x.dim() == 4:  # (vmapped, C, H, W): each sample an unbatched input
+            return conv2d_op(x, weight, bias, *params), 0
+        y = conv2d_op(x.flatten(0, 1), weight, bias, *params)
+        return y.unflatten(0, x.shape[:2]), 0
+
+    def sample(t, dim, i):
+        return t if t is None or dim is None else t.select(dim, i)
+
+    ys = [conv2d_op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), *params)
+          for i in range(info.batch_size)]
+    return torch.stack(ys), 0
+
+
+conv2d_op.register_vmap(_vmap)
+
+
+@register_flop_formula(torch.ops.kernelgen.conv2d)
+def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """FlopCounterMode's count for a call: torch's own convolution formula (an unbatched call counts
+    as a batch of one, as F.conv2d's aten.convolution sees it). Registered at import, since each
+    FlopCounterMode copies the formulas it is created with."""
+    if len(x_shape) == 3:
+        x_shape, out_shape = (1, *x_shape), (1, *out_shape)
+    return conv_flop_count(x_shape, w_shape, out_shape)

@@ -68,6 +68,14 @@ _plans: dict[Any, Plan] = {}
 _planning_targets: list["Device"] = []
 _meta_observers: list[Callable[..., None]] = []
 _compiling = torch.compiler.is_compiling
+# What conv2d checks on each call for a caller that its kernels cannot serve directly (compiled.route):
+# a dispatch mode, a functorch transform, the TorchScript tracer, the profiler, a tensor subclass.
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_level = torch._C._functorch.maybe_current_level
+_tracing_state = torch._C._get_tracing_state
+_profiler = torch.autograd.profiler
+_Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @contextlib.contextmanager
@@ -163,6 +171,12 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         input, weight, bias = _autocast(device_type, input, weight, bias)
     if _compiling():  # torch.compile is tracing: the call becomes one operator of the graph
         return compiled.call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+    if (_dispatch_modes() or _functorch_level() is not None or _tracing_state() is not None
+            or _profiler._is_profiler_enabled or input.__class__ is not _Tensor or weight.__class__ not in _PLAIN
+            or (bias is not None and bias.__class__ not in _PLAIN)):
+        y = compiled.route(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+        if y is not None:
+            return y
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
             observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)

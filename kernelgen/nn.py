@@ -12,6 +12,12 @@ from .functional import conv2d
 torch.fx.wrap("conv2d")
 
 
+SCRIPT_ERROR = (
+    "torch.jit.script cannot compile kernelgen.Conv2d: its forward chooses and launches JIT-compiled kernels in "
+    "Python. Use torch.jit.trace (the traced graph calls the operator kernelgen::conv2d; `import kernelgen` before "
+    "loading it), or kernelgen.revert(model) to turn kernelgen layers back into torch.nn.Conv2d before scripting.")
+
+
 class Conv2d(torch.nn.Conv2d):
     """A drop-in for torch.nn.Conv2d: same constructor, parameters and state_dict.
 
@@ -24,6 +30,11 @@ class Conv2d(torch.nn.Conv2d):
     def __init__(self, *args, precision: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.precision = precision
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling it: the one place to say
+        # what to do instead of TorchScript's error about keyword-only arguments deep in conv2d.
+        raise RuntimeError(SCRIPT_ERROR)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.padding_mode != "zeros":
