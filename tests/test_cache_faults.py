@@ -128,14 +128,19 @@ def test_an_in_place_rewrite_with_the_mtime_put_back_is_caught(tmp_path):
 
 # Runs before CHILD in the same process: every write, file creation and mkdir under the cache
 # fails with ENOSPC, as on a full disk (no mount needed, so it runs anywhere).
-FULL_DISK = textwrap.dedent("""
-    import builtins, errno, io, os
+# Whether a path lies in the test's cache: what the fault scripts below make fail.
+UNDER_CACHE = textwrap.dedent("""
+    import os
     _root = os.path.realpath(os.environ["KERNELGEN_CACHE_DIR"])
     def _ours(path):
         try:
             return os.path.realpath(os.fspath(path)).startswith(_root)
         except TypeError:
             return False
+""")
+
+FULL_DISK = UNDER_CACHE + textwrap.dedent("""
+    import builtins, errno, io, os
     def _full(path):
         raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
     _open, _os_open, _mkdir = builtins.open, os.open, os.mkdir
@@ -316,15 +321,9 @@ def test_a_removed_cache_directory_is_made_again(tmp_path):
 
 # Runs before the CLI in the same process: the cache's filesystem is read-only (EROFS), which holds
 # for root too (mode bits do not stop root, so chmod cannot make the test's cache read-only).
-READ_ONLY = textwrap.dedent("""
+READ_ONLY = UNDER_CACHE + textwrap.dedent("""
     import errno, os, shutil, sys
     sys.path.insert(0, {repo!r})
-    _root = os.path.realpath(os.environ["KERNELGEN_CACHE_DIR"])
-    def _ours(path):
-        try:
-            return os.path.realpath(os.fspath(path)).startswith(_root)
-        except TypeError:
-            return False
     def _ro(path):
         raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
     def wrap(fn, writes=lambda *a, **k: True):
