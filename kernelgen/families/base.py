@@ -42,6 +42,14 @@ def staged_row(pixels: int, esize: int) -> int:
     return need + (rem - need) % step
 
 
+def pow2_at_most(n: int, cap: int) -> int:
+    """The largest power of two no more than `n` and `cap` (1 at least)."""
+    v = 1
+    while v * 2 <= min(n, cap):
+        v *= 2
+    return v
+
+
 def check_dense_1x1(name: str, spec: "ConvSpec") -> None:
     """Raise Unsupported unless `spec` is a dense (one group) 1x1 convolution at stride 1 without
     padding: the per-image GEMMs' own shape, X[n] read as it lies."""

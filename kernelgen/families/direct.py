@@ -10,18 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Family
+from .base import Family, pow2_at_most
 
 SMEM_BUDGET = 40 * 1024
 
 _ACC_BYTES = {"float64": 8}
-
-
-def _pow2_at_most(n: int, cap: int) -> int:
-    v = 1
-    while v * 2 <= min(n, cap):
-        v *= 2
-    return v
 
 
 @dataclass(frozen=True)
@@ -54,8 +47,8 @@ class DirectFamily(Family):
         block_q = 32 if problem.Q >= 32 else 16 if problem.Q >= 16 else 8
         block_p = 8 if problem.P >= 8 else 4
         tiles = {"block_p": block_p, "block_q": block_q,
-                 "cout_tile": _pow2_at_most(spec.cout_per_group, 8),
-                 "cin_chunk": _pow2_at_most(spec.cin_per_group, 4)}
+                 "cout_tile": pow2_at_most(spec.cout_per_group, 8),
+                 "cin_chunk": pow2_at_most(spec.cin_per_group, 4)}
         return tiles
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from ..errors import Unsupported
-from .base import Family, target
+from .base import Family, pow2_at_most, target
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
@@ -25,13 +25,6 @@ MAX_SUMS = 32  # partial sums a thread keeps (block_co x block_px): registers, n
 # for each tile of output channels, and its channels' weights once for each tile of pixels.
 L2_OVER_DRAM = 3.0
 LOAD_FMAS = 4  # an SM issues four FMAs for each load (128 and 32 a cycle)
-
-
-def _pow2_at_most(n: int, cap: int) -> int:
-    v = 1
-    while v * 2 <= min(n, cap):
-        v *= 2
-    return v
 
 
 def _vec(dtype: str) -> int:
@@ -71,7 +64,7 @@ class GemvFamily(Family):
         if "block_co" in fixed:
             co = fixed["block_co"]
         else:
-            co = _pow2_at_most(spec.cout_per_group, min(16, max(MAX_SUMS // px, 1)))
+            co = pow2_at_most(spec.cout_per_group, min(16, max(MAX_SUMS // px, 1)))
             slots = 2 * target(problem.device).sms
             while co > 1 and self._blocks(spec, pixels, co, px) < slots:
                 co //= 2
