@@ -324,11 +324,15 @@ def write_table(out: Path, old: list[dict], rows: list[dict], args, cells) -> No
         before = json.loads(Path(args.merge).read_text())["provenance"]
         prov["runs"] = before.get("runs", [{k: before[k] for k in ("commit", "date", "command", "cells") if k in before}])
         prov["runs"].append({k: prov[k] for k in ("commit", "date", "command", "cells")})
-    table = {"format": 1, "provenance": prov, "rows": good, "model": fit_model(good)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
+    _write(out, {"format": 1, "provenance": prov, "rows": good, "model": fit_model(good)})
+
+
+def _write(path: Path, table: dict) -> None:
+    """`table` as `path`, whole or not at all (written beside it, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table, separators=(",", ":")) + "\n")
-    tmp.replace(out)
+    tmp.replace(path)
 
 
 def refit(path: Path) -> None:
@@ -341,9 +345,7 @@ def refit(path: Path) -> None:
     table["model"] = fit_model(table["rows"], dev)
     table["provenance"]["refit"] = {"commit": census._commit(), "command": f"python benchmarks/make_table.py --refit {path}",
                                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, separators=(",", ":")) + "\n")
-    tmp.replace(path)
+    _write(path, table)
     print(f"# {path}: model fitted again to {len(table['rows'])} rows on {dev.name}")
 
 
