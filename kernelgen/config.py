@@ -8,6 +8,7 @@
 | KERNELGEN_JOBS | number of CPU cores | parallel builds (CLI `warm`, test warm-up, the tuner) |
 | KERNELGEN_TUNE | 0 | 1: the first call of each signature (without a plan record) times the top candidates on the GPU and keeps the fastest (kernelgen.tune) |
 | KERNELGEN_TUNE_TOP | 4 | how many candidates the tuner builds and times a call |
+| KERNELGEN_PACK_ONCE | 1 | 0: kernels that pack their weights pack them on every call, instead of once per weight version (kernelgen/packs.py) |
 | KERNELGEN_ARCHIVE_SECRET | (none) | file holding the secret `cache export` signs and `cache import` verifies archives with |
 | CXX | c++ | the host C++ compiler (torch's builder honours it too) |
 | CUDA_HOME, CUDA_PATH | the nvcc on PATH, then /usr/local/cuda | the CUDA toolkit (looked up in torch's order, since torch's builder compiles) |
@@ -60,6 +61,16 @@ def tune() -> bool:
     if text in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"KERNELGEN_TUNE={text!r}: say 1 (tune each call on first use) or 0")
+
+
+def pack_once() -> bool:
+    """KERNELGEN_PACK_ONCE: whether a kernel's packed weights are kept with the weight (packs.py)."""
+    text = os.environ.get("KERNELGEN_PACK_ONCE", "1").strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"KERNELGEN_PACK_ONCE={text!r}: say 1 (pack a weight once per version) or 0 (every call)")
 
 
 def tune_top() -> int:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
-from . import compiled, config, plans
-from .kernels import count, entry_spec, load_entry, load_kernel, stats, workspace_bytes
+from . import compiled, config, packs, plans
+from .kernels import count, entry_spec, load_entry, load_kernel, packed_bytes, stats, workspace_bytes
 from .precision import check_override, torch_fp32_conv_math
 
 if TYPE_CHECKING:
@@ -48,9 +48,11 @@ class Plan:
     pointers and the stream, and launches.
     """
 
-    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_asis", "b_contig", "args", "key", "ws", "sample")
+    __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_asis", "b_contig", "args", "key", "ws", "sample",
+                 "packed", "pack_once")
 
-    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_asis, b_contig, args, key, ws=0, sample=None):
+    def __init__(self, launch, out_shape, fmt, squeeze, prep, w_asis, b_contig, args, key, ws=0, sample=None,
+                 packed=0, pack_once=True):
         self.launch = launch  # None: nothing to compute (an empty batch, or meta tensors)
         self.out_shape = out_shape  # 4-D
         self.fmt = fmt
@@ -62,6 +64,8 @@ class Plan:
         self.key = key
         self.ws = ws  # bytes of device scratch the kernel takes, allocated per call on its stream
         self.sample = sample  # (sh, sw): the kernel reads the view input[..., ::sh, ::sw] (Call.sample)
+        self.packed = packed  # bytes of the kernel's packed weights (packs.py), 0 if it packs none
+        self.pack_once = pack_once  # keep them with the weight (KERNELGEN_PACK_ONCE); else packed every call
 
 
 _plans: dict[Any, Plan] = {}
@@ -525,7 +529,7 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     dev = input.device.index if input.is_cuda else -1
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, w_asis,
                 bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, *wst, dev), key,
-                workspace_bytes(key, input.numel(), N * K * P * Q), sample)
+                workspace_bytes(key, input.numel(), N * K * P * Q), sample, packed_bytes(key), config.pack_once())
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -553,8 +557,16 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             stream = 0
         # Scratch from the caching allocator on this stream, so its reuse stays stream-ordered.
         ws = torch.empty(plan.ws, dtype=torch.uint8, device=input.device) if plan.ws else None
-        plan.launch(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), *plan.args,
-                    stream, 0 if ws is None else ws.data_ptr())
+        pack, ready, wp = None, False, None
+        if plan.packed:  # the weights as the kernel packs them: kept with the weight (packs.py), or this call's
+            if plan.pack_once:
+                pack, ready = packs.lookup(weight, plan.key, plan.packed, stream)
+            wp = pack.buf if pack is not None else torch.empty(plan.packed, dtype=torch.uint8, device=input.device)
+        did_pack = plan.launch(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), *plan.args,
+                               stream, 0 if ws is None else ws.data_ptr(), 0 if wp is None else wp.data_ptr(), ready,
+                               0, 0)
+        if did_pack and pack is not None:
+            packs.packed(pack, weight, stream)
     return y.squeeze(0) if plan.squeeze else y
 
 

@@ -27,9 +27,10 @@ log = logging.getLogger("kernelgen")
 _lock = threading.RLock()
 _memo: dict[tuple["ConvSpec", "Toolchain"], tuple[Launch, str]] = {}
 _by_key: dict[str, Launch] = {}
-# key -> (KG_WORKSPACE, KG_WORKSPACE_PER_INPUT, KG_WORKSPACE_PER_OUTPUT): device scratch its
-# launch takes, in bytes, and bytes more for each input and each output element
-_workspace: dict[str, tuple[int, int, int]] = {}
+# key -> (KG_WORKSPACE, KG_WORKSPACE_PER_INPUT, KG_WORKSPACE_PER_OUTPUT, KG_PACKED): device scratch
+# its launch takes, in bytes, and bytes more for each input and each output element; the bytes of
+# its packed weights (kept with the weight, packs.py)
+_workspace: dict[str, tuple[int, int, int, int]] = {}
 # key -> the spec (as the manifest's JSON dict) its entry was built for, checked against a call
 # that found the key in a plan record (plans.fits)
 _specs: dict[str, dict] = {}
@@ -112,16 +113,21 @@ def entry_spec(key: str) -> dict | None:
     return _specs.get(key)
 
 
-def _workspace_of(module) -> tuple[int, int, int]:
+def _workspace_of(module) -> tuple[int, int, int, int]:
     return tuple(int(getattr(module, name, 0))
-                 for name in ("KG_WORKSPACE", "KG_WORKSPACE_PER_INPUT", "KG_WORKSPACE_PER_OUTPUT"))
+                 for name in ("KG_WORKSPACE", "KG_WORKSPACE_PER_INPUT", "KG_WORKSPACE_PER_OUTPUT", "KG_PACKED"))
 
 
 def workspace_bytes(key: str, input_numel: int, output_numel: int) -> int:
     """Bytes of device scratch memory the loaded kernel `key` takes to launch on an input of
     `input_numel` elements and an output of `output_numel` (0: none)."""
-    fixed, per_input, per_output = _workspace.get(key, (0, 0, 0))
+    fixed, per_input, per_output, _ = _workspace.get(key, (0, 0, 0, 0))
     return fixed + per_input * input_numel + per_output * output_numel
+
+
+def packed_bytes(key: str) -> int:
+    """Bytes of device memory the loaded kernel `key` packs a weight into (0: it packs none)."""
+    return _workspace.get(key, (0, 0, 0, 0))[3]
 
 
 def count(name: str, n: int = 1) -> None:
@@ -129,8 +135,9 @@ def count(name: str, n: int = 1) -> None:
 
 
 def stats() -> dict[str, float]:
-    """Counters for this process: compiles, compile_seconds, cache_hits (loads from disk), fallbacks."""
-    out = {"compiles": 0, "compile_seconds": 0.0, "cache_hits": 0, "fallbacks": 0}
+    """Counters for this process: compiles, compile_seconds, cache_hits (loads from disk), fallbacks,
+    weight_packs (kernels that packed a weight version, packs.py)."""
+    out = {"compiles": 0, "compile_seconds": 0.0, "cache_hits": 0, "fallbacks": 0, "weight_packs": 0}
     out.update(_stats)
     return out
 

@@ -302,6 +302,7 @@ class ConvSpec:
             "WORKSPACE_BYTES": 0,  # a family that needs device scratch memory says how much,
             "WORKSPACE_PER_INPUT": 0,  # and how many bytes more for each element of the input
             "WORKSPACE_PER_OUTPUT": 0,  # and of the output
+            "PACKED_BYTES": 0,  # a family that packs its weights: the bytes kept with a weight for them
         }
         ctx.update({name.upper(): value for name, value in self.tiles})
         ctx.update(get_family(self.family).context(self))

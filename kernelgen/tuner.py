@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from . import config
+from . import config, packs
 from .kernels import count
 
 log = logging.getLogger("kernelgen")
@@ -155,6 +155,7 @@ def measure(args: dict, specs: list, call, built: Mapping) -> list[tuple]:
         runs.append((spec, plan))
     times = dict(zip((s for s, _ in runs), _stream_us([lambda p=p: functional._run(p, x, w, b) for _, p in runs],
                                                       cuda=x.is_cuda)))
+    packs.drop(w, [plan.key for _, plan in runs])  # (the candidates' packed weights: the call packs its own)
     count("tune_timings", len(runs))
     return [(spec, times.get(spec), notes.get(spec, "")) for spec in specs]
 

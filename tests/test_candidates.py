@@ -105,3 +105,15 @@ def test_a_sample_of_candidates_compiles_for_each_declared_target():
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         failures = [f for f in pool.map(one, sample) if f]
     assert not failures, f"{len(failures)} of {len(sample)} fail to compile:\n" + "\n\n".join(failures[:4])
+
+
+def test_a_family_that_packs_weights_packs_them_once_per_version():
+    """The packing contract (packs.py): a candidate with PACKED_BYTES packs into a->wp only when
+    the caller says the weights are not ready there and reports it; one without never touches wp."""
+    wrong = []
+    for fam, arch, spec in EVERY:
+        source = render(spec).cuda
+        packs = spec.template_context()["PACKED_BYTES"] > 0
+        if packs != ("a->wp" in source) or (packs and not ("a->wp_ready" in source and "KG_DONE_PACKED" in source)):
+            wrong.append(f"{arch} {spec.summary()}: PACKED_BYTES {spec.template_context()['PACKED_BYTES']}")
+    assert not wrong, "\n".join(wrong[:8])

@@ -185,11 +185,12 @@ def test_default_tiles_fit(layer, dtype):
         assert 2 * (lay["SMEM_BYTES"] + 1024) <= nominal().smem_sm
         assert lay["REGS"] <= reg_cap(lay["NTH"], 2) and lay["STAGED"] <= lay["RING"]
         assert lay["NTH"] == 128 * t["block_co"] // 64 + 32 + 32 * t["round_smem"]
-    # the weights repacked in whole k-tiles, then room for a dense copy of the input
+    # the weights packed in whole k-tiles (kept with the weight); the call's scratch has room for a
+    # dense copy of the input
     esize = 4 if dtype == "float32" else 2
     kt = layer["w"][2] * layer["w"][3] * -(-layer["w"][1] * esize // 128)
-    assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-layer["w"][0] * kt * 128 // 256) * 256
-    assert ctx["WORKSPACE_PER_INPUT"] == esize
+    assert ctx["PACKED_BYTES"] == layer["w"][0] * kt * 128
+    assert ctx["WORKSPACE_BYTES"] == 0 and ctx["WORKSPACE_PER_INPUT"] == esize
 
 
 def test_register_and_shared_memory_budgets_follow_ptxas_and_the_driver():
@@ -313,12 +314,12 @@ def test_split_reductions_take_one_block_a_tile_and_room_for_their_partial_sums(
         assert t["a_regs"] == int(dtype == "float32" and cl)
         ctx = spec.template_context()
         # the partial sums: four float32 sums an output element, from a 256-byte boundary past the
-        # repacked weights and the input's copy
-        assert ctx["WORKSPACE_PER_OUTPUT"] == 16 and ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] + 256
+        # input's copy
+        assert ctx["WORKSPACE_PER_OUTPUT"] == 16 and ctx["WORKSPACE_BYTES"] == 256
         assert ctx["WORKSPACE_PER_INPUT"] == (4 if dtype == "float32" else 2)
     unsplit = _choose(**L4, dtype="bfloat16", family="nhwc_tma", tiles={"splits": 1}).template_context()
     assert unsplit["SPLITS"] == 1 and unsplit["WORKSPACE_PER_OUTPUT"] == 0
-    assert unsplit["WORKSPACE_BYTES"] == unsplit["WS_X_OFFSET"]
+    assert unsplit["WORKSPACE_BYTES"] == 0
 
 
 @pytest.mark.parametrize("layer,dtype,cl,splits", [

@@ -101,7 +101,7 @@ def test_refusals_name_the_reason():
 def test_layout_rounds_channels_to_k_steps_and_outputs_to_blocks(cin, cout, bm, cinp, mb):
     ctx = _spec(cin, cout).template_context()
     assert (ctx["BM"], ctx["CINP"], ctx["MB"]) == (bm, cinp, mb)
-    assert ctx["WORKSPACE_BYTES"] == mb * bm * cinp * 4  # the rounded weights, [MB * BM][CINP]
+    assert ctx["PACKED_BYTES"] == mb * bm * cinp * 4  # the rounded weights, [MB * BM][CINP]
     # the operands (weights [BM][CINP + 4], input [CINP][136]) and the staged tile ([BM][136]) share it
     assert ctx["SMEM_BYTES"] == 4 * max(bm * (cinp + 4) + cinp * 136, bm * 136)
     blocks = 2 if bm == 128 else 4  # an SM (the launch bounds')

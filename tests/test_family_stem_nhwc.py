@@ -113,8 +113,8 @@ def test_layout_picks_the_rows_order_and_staging_with_fewer_bank_conflicts():
         t = dict(spec.tiles)
         assert L["SMEM_BYTES"] >= t["block_p"] * t["block_q"] * L["SROW"] * (4 if vec == 4 else 2)
     # the workspace holds the repacked weights, K padded to whole k-steps: 147 -> 152 (TF32), 160 (bf16)
-    assert r50.template_context()["WORKSPACE_BYTES"] == 64 * 152 * 4
-    assert _choose(**R50, dtype="bfloat16").template_context()["WORKSPACE_BYTES"] == 64 * 160 * 2
+    assert r50.template_context()["PACKED_BYTES"] == 64 * 152 * 4
+    assert _choose(**R50, dtype="bfloat16").template_context()["PACKED_BYTES"] == 64 * 160 * 2
 
 
 # -- lowering ------------------------------------------------------------------------------------

@@ -131,13 +131,13 @@ def test_forced_tiles_fit_and_layout_agrees(case, dtype, math):
     resident = (nspl - lay["AREG"]) * lay["WVEC"] if lay["WRES"] else 0  # a_regs: TF32 or small weights in registers
     assert lay["SMEM_BYTES"] == (16 * (resident + lay["NBUF"] * slot) + epi +
                                  (16 * lay["NBUF"] if lay["WS"] else 0))
-    # The workspace holds every weight, padded to whole stages and m-blocks.
+    # The packed weights are every weight, padded to whole stages and m-blocks.
     cin_g, cout = spec.cin_per_group, spec.out_channels
     kh, kw = spec.kernel_size
-    assert lay["WORKSPACE_BYTES"] >= cout * cin_g * kh * kw * esize
-    # (strips: and a progress counter for each of up to MAXPROG blocks)
-    assert lay["WORKSPACE_BYTES"] == (16 * spec.groups * lay["MB"] * lay["SPT"] * nspl * lay["WVEC"] +
-                                      (4 * lay["MAXPROG"] if lay["STRIP"] else 0))
+    assert lay["PACKED_BYTES"] >= cout * cin_g * kh * kw * esize
+    assert lay["PACKED_BYTES"] == 16 * spec.groups * lay["MB"] * lay["SPT"] * nspl * lay["WVEC"]
+    # (strips: the call's scratch, a progress counter for each of up to MAXPROG blocks)
+    assert lay["WORKSPACE_BYTES"] == (4 * lay["MAXPROG"] if lay["STRIP"] else 0)
     assert lay["CK"] % (2 * lay["CPV"]) == 0 and lay["CK"] * esize == 16 * lay["NCH"]
 
 

@@ -1296,18 +1296,21 @@ def test_sweep_against_float64(case: Case):
     kw = conv_kwargs(case)
     ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw)
     out_numel = ref.numel()
-    y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, **kw, precision=case.precision, family=case.family,
-                                               tiles=dict(case.tiles) or None),
-                      out_numel, x.dtype)
-    torch.cuda.synchronize()
-    assert y.shape == ref.shape and y.dtype == x.dtype and y.device == x.device
-    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite output elements"
     expected = F.conv2d(x, w, b, **kw)
-    if y.dim() == 4:
-        assert y.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
-            memory_format=torch.channels_last), "output memory format differs from F.conv2d's"
-    err = rel_err(y, ref)
-    assert err <= tolerance(case, x, w, b, ref), f"relative error {err:.3g}"
+    # Twice: the first call packs the weights where its kernel does, the second reads that packing
+    # (kernelgen/packs.py).
+    for call in ("first", "second"):
+        y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, **kw, precision=case.precision, family=case.family,
+                                                   tiles=dict(case.tiles) or None),
+                          out_numel, x.dtype)
+        torch.cuda.synchronize()
+        assert y.shape == ref.shape and y.dtype == x.dtype and y.device == x.device
+        assert torch.isfinite(y).all(), f"{call} call: unwritten (NaN-poisoned) or non-finite output elements"
+        if y.dim() == 4:
+            assert y.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
+                memory_format=torch.channels_last), "output memory format differs from F.conv2d's"
+        err = rel_err(y, ref)
+        assert err <= tolerance(case, x, w, b, ref), f"{call} call: relative error {err:.3g}"
 
 
 def test_no_fallbacks_happened():
@@ -1511,7 +1514,8 @@ MEMCHECK = textwrap.dedent("""
             x = x[..., 1:]  # an offset view: unaligned rows
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
-        kernelgen.conv2d(x, w, b, family=family, **kw)
+        for _ in range(2):  # (the second call reads the weights the first packed)
+            kernelgen.conv2d(x, w, b, family=family, **kw)
     def run_cl(dtype, x_shape, w_shape, offset, family="nhwc", **kw):
         # channels_last input, its data `offset` elements past an allocation's start
         n, c, h, w_ = x_shape
@@ -1519,7 +1523,8 @@ MEMCHECK = textwrap.dedent("""
         x = x.view(n, h, w_, c).permute(0, 3, 1, 2)
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
-        kernelgen.conv2d(x, w, b, family=family, **kw)
+        for _ in range(2):
+            kernelgen.conv2d(x, w, b, family=family, **kw)
     fams = {{name: fam for name, fam in all_families().items() if name in {families!r}}}
     for dtype in (torch.float32, torch.bfloat16):
         if "direct" in fams:

@@ -56,9 +56,9 @@ def test_odd_channels_are_served_with_a_padded_copy():
     spec = _spec(LAYERS[0], "bfloat16", "ieee", True)
     ctx = spec.template_context()
     assert cin_padded(spec) == 192 and ctx["CIN_GP"] == 192
-    # the weights padded, then the input's copy: 192 elements for every 185, rounded up to 2 bytes each
+    # the weights packed padded; the input's copy: 192 elements for every 185, rounded up to 2 bytes each
     assert ctx["WORKSPACE_PER_INPUT"] == -(-2 * 192 // 185) == 3
-    assert ctx["WS_X_OFFSET"] == -(-75 * 192 * 2 // 256) * 256
+    assert ctx["PACKED_BYTES"] == 75 * 192 * 2
     whole = _spec((4, 192, 64, 14, 14, 1, 1, 0, 1, False), "bfloat16", "ieee", True)
     assert whole.template_context()["CIN_GP"] == 192 and whole.template_context()["WORKSPACE_PER_INPUT"] == 0
 

@@ -202,13 +202,11 @@ class NhwcFamily(Family):
         (kh, kw) = spec.kernel_size
         ctx["MIN_BLOCKS"] = dict(spec.tiles)["min_blocks"]
         cinp = ctx["CIN_GP"] = cin_padded(spec)
-        # The repacked weights, then (NCHW calls, padded channels) the input's copy from a 256-byte
-        # boundary; a padded copy takes CIN_GP elements for every CIN_G of the input.
-        wbytes = spec.out_channels * kh * kw * cinp * element_size(spec)
-        ctx["WS_X_OFFSET"] = -(-wbytes // 256) * 256
+        # The packed weights (kept with the weight); the call's scratch holds (NCHW calls, padded
+        # channels) the input's copy, where a padded copy takes CIN_GP elements for every CIN_G.
+        ctx["PACKED_BYTES"] = spec.out_channels * kh * kw * cinp * element_size(spec)
         ctx["ROUND_COPY"] = self.round_copy(spec)
         copy = spec.layout == "nchw" or ctx["ROUND_COPY"] or cinp != spec.cin_per_group
-        ctx["WORKSPACE_BYTES"] = ctx["WS_X_OFFSET"] if copy else wbytes
         ctx["WORKSPACE_PER_INPUT"] = -(-element_size(spec) * cinp // spec.cin_per_group) if copy else 0
         return ctx
 

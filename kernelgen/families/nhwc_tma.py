@@ -299,17 +299,16 @@ class NhwcTmaFamily(Family):
         lay = self.layout(spec, t)
         esize = element_size(spec)
         kt = k_tiles(spec)
-        wbytes = spec.out_channels * kt * 128
-        ws_x = -(-wbytes // 256) * 256
         areg = t.get("a_regs", 0) == 1
         splits = t.get("splits", 1)
         return {"BCO": lay["BCO"], "BP": lay["BP"], "WGN": lay["WGN"], "AREG": areg,
                 "WN": 64 if areg else lay["BP"] // lay["WGN"], "STAGES": lay["STAGES"],
-                "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"], "WS_X_OFFSET": ws_x,
-                # the repacked weights, then room for a dense copy of the input (TF32 rounds it;
-                # 16-bit inputs the TMA cannot address are copied), then (split reductions) each
-                # split's float32 partial sums, from a 256-byte boundary
-                "WORKSPACE_BYTES": ws_x + (256 if splits > 1 else 0),
+                "SMEM_BYTES": lay["SMEM_BYTES"], "MIN_BLOCKS": t["min_blocks"],
+                "PACKED_BYTES": spec.out_channels * kt * 128,  # the packed weights, kept with the weight
+                # the call's scratch: room for a dense copy of the input (TF32 rounds it; 16-bit
+                # inputs the TMA cannot address are copied), then (split reductions) each split's
+                # float32 partial sums, from a 256-byte boundary
+                "WORKSPACE_BYTES": 256 if splits > 1 else 0,
                 "WORKSPACE_PER_INPUT": esize, "WORKSPACE_PER_OUTPUT": 4 * splits if splits > 1 else 0}
 
 

@@ -62,7 +62,7 @@ class PointwiseTileFamily(Family):
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         lay = _layout(spec)
-        return {**lay, "WORKSPACE_BYTES": lay["MB"] * lay["BM"] * lay["CINP"] * 4}  # the rounded weights
+        return {**lay, "PACKED_BYTES": lay["MB"] * lay["BM"] * lay["CINP"] * 4}  # the rounded weights
 
 
 pointwise_tile = PointwiseTileFamily(

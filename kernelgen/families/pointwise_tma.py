@@ -106,7 +106,7 @@ class PointwiseTmaFamily(Family):
         wbytes = spec.out_channels * k_tiles(spec) * 128
         return {"BCO": lay["BCO"], "BP": lay["BP"], "STAGES": lay["STAGES"], "SMEM_BYTES": lay["SMEM_BYTES"],
                 "MIN_BLOCKS": t["min_blocks"],
-                "WORKSPACE_BYTES": -(-wbytes // 256) * 256}  # the repacked weights
+                "PACKED_BYTES": wbytes}  # the packed weights, kept with the weight
 
 
 pointwise_tma = PointwiseTmaFamily(

@@ -187,7 +187,7 @@ class StemNhwcFamily(Family):
         ctx = dict(self.layout(spec, dict(spec.tiles)))
         ctx.pop("REGS")
         ctx.pop("NTH")
-        ctx["WORKSPACE_BYTES"] = spec.out_channels * _kpad(spec) * element_size(spec)
+        ctx["PACKED_BYTES"] = spec.out_channels * _kpad(spec) * element_size(spec)
         return ctx
 
 

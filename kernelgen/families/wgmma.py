@@ -200,7 +200,8 @@ class WgmmaFamily(Family):
             "XASYNC": xasync, "XSETS": xsets, "OVERLAP": overlap, "SPLIT3": split, "FLUSH": flush, "AREG": areg,
             "EPI_BYTES": epi, "RSTAGE": rstage, "LINES": lines, "STRIP": strip, "ACC2": acc2, "SMEM_BYTES": smem,
             "MINB": t["min_blocks"], "PREGS": pregs, "CREGS": cregs,
-            "WORKSPACE_BYTES": 16 * spec.groups * mb * spt * nspl * wvec + (4 * MAXPROG if strip else 0),
+            "PACKED_BYTES": 16 * spec.groups * mb * spt * nspl * wvec,  # kept with the weight
+            "WORKSPACE_BYTES": 4 * MAXPROG if strip else 0,  # the call's strip progress counters
             "MAXPROG": MAXPROG,
             # per thread (ws with a register split: a consumer's, within CREGS)
             "REGS": regs,

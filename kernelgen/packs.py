@@ -1,0 +1,112 @@
+"""Weights packed once per weight version: the device memory a kernel's packed weights live in.
+
+Families that reorder or round their weights (KG_PACKED bytes, a spec's PACKED_BYTES) pack them
+into memory the caller hands them as `wp`, and report when they did. That memory is kept here with
+the weight tensor, one buffer per kernel, so that the next call with the same tensor, at the same
+version counter and storage, passes it as ready and the kernel skips the packing: inference
+weights are packed once, not on every call. An in-place change of the weight bumps its version,
+and the next call packs it again into the same buffer. The buffers go when the tensor does.
+
+Streams: a buffer is packed on one stream. A call on another stream waits for that packing (an
+event) unless it is known to be done; calls outside capture ask until it is. A CUDA graph capture
+reads the buffer only once the packing is known done (an event can be neither queried nor waited
+on from outside during capture); before that, the capture packs into memory of its own, and its
+replays pack on every run, as they would without this module.
+
+A graph captured while reading a kept buffer reads it on every replay: change such a weight in
+place and the replays see the change once a call outside the graph has packed it again (or set
+KERNELGEN_PACK_ONCE=0, which packs on every call, graphs included).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .kernels import count
+
+
+class _Pack:
+    __slots__ = ("buf", "version", "ptr", "strides", "streams", "event", "done")
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.version = -1  # the weight's version counter when packed; -1: not packed yet
+        self.ptr = 0
+        self.strides = ()
+        self.streams: set[int] = set()  # streams ordered after the packing
+        self.event = None  # recorded after the packing (CUDA)
+        self.done = False  # the packing is known to have finished
+
+
+# id(weight) -> (a weak reference to it, {kernel key: its pack})
+_packs: dict[int, tuple[weakref.ref, dict[str, _Pack]]] = {}
+
+
+def _forget(wid: int, ref: weakref.ref) -> None:
+    entry = _packs.get(wid)
+    if entry is not None and entry[0] is ref:  # (not a later tensor that took the same id)
+        del _packs[wid]
+
+
+def lookup(weight: torch.Tensor, key: str, nbytes: int, stream: int) -> tuple[_Pack | None, bool]:
+    """(pack, ready): the buffer kept for `weight` under kernel `key`, and whether it holds the
+    weight's current version for a launch on `stream` (a raw stream handle; 0 on the CPU).
+
+    Not ready: the caller launches with ready=0 into pack.buf, then calls `packed` if the kernel
+    packed. pack None (under capture on a stream the packing is not ordered before): the caller
+    launches into memory of its own with ready=0 and keeps nothing.
+    """
+    wid = id(weight)
+    entry = _packs.get(wid)
+    if entry is None or entry[0]() is not weight:
+        entry = _packs[wid] = (weakref.ref(weight, lambda ref, wid=wid: _forget(wid, ref)), {})
+    pack = entry[1].get(key)
+    if pack is None or pack.version != weight._version or pack.ptr != weight.data_ptr() or \
+            pack.strides != weight.stride():
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None, False  # (the capture packs into its own memory; nothing kept changes)
+        if pack is None:
+            pack = entry[1][key] = _Pack(torch.empty(nbytes, dtype=torch.uint8, device=weight.device))
+        return pack, False
+    if stream in pack.streams and pack.done:
+        return pack, True
+    if torch.cuda.is_current_stream_capturing():
+        # An event can be neither queried nor waited on from outside during capture, and a replay
+        # is ordered after nothing launched before it: read the buffer only once it is known done.
+        return (pack, True) if pack.done else (None, False)
+    if not pack.done and pack.event.query():  # (asked until it is, so that a later capture may read it)
+        pack.done = True
+    if stream not in pack.streams:
+        current = torch.cuda.current_stream(weight.device)
+        if not pack.done:
+            current.wait_event(pack.event)
+        pack.buf.record_stream(current)  # (freed only after this stream's reads)
+        pack.streams.add(stream)
+    return pack, True
+
+
+def packed(pack: _Pack, weight: torch.Tensor, stream: int) -> None:
+    """Record that a launch on `stream` packed `weight`'s current version into `pack`."""
+    pack.version, pack.ptr, pack.strides = weight._version, weight.data_ptr(), weight.stride()
+    pack.streams = {stream}
+    pack.done = not weight.is_cuda
+    if weight.is_cuda:
+        if pack.event is None:
+            pack.event = torch.cuda.Event()
+        pack.event.record(torch.cuda.current_stream(weight.device))
+    count("weight_packs")
+
+
+def drop(weight: torch.Tensor, keys) -> None:
+    """Forget the buffers kept for `weight` under the kernels `keys` (the tuner's losing candidates)."""
+    entry = _packs.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        for key in keys:
+            entry[1].pop(key, None)
+
+
+def clear() -> None:
+    """Forget every kept buffer (their memory goes back to torch's allocator)."""
+    _packs.clear()
