@@ -18,7 +18,7 @@ from .kernels import stats
 _LAZY = {"ConvSpec": "spec", "Conv2d": "nn", "KernelgenError": "errors", "ConvArgumentError": "errors",
          "CompileError": "errors", "CacheError": "errors", "Unsupported": "errors", "tune": "tuner",
          "tune_calls": "tuner", "TuneResult": "tuner", "convert": "conversion", "revert": "conversion",
-         "report": "conversion"}
+         "report": "conversion", "frozen_weights": "packs"}
 
 
 def __getattr__(name):
@@ -37,4 +37,4 @@ def __dir__():
 
 
 __all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "stats", "tune", "tune_calls", "TuneResult",
-           "convert", "revert", "report", "KernelgenError", "ConvArgumentError", "CompileError", "CacheError", "Unsupported"]
+           "convert", "revert", "report", "frozen_weights", "KernelgenError", "ConvArgumentError", "CompileError", "CacheError", "Unsupported"]

@@ -8,19 +8,21 @@ weights are packed once, not on every call. An in-place change of the weight bum
 and the next call packs it again into the same buffer. The buffers go when the tensor does.
 
 Streams: a buffer is packed on one stream. A call on another stream waits for that packing (an
-event) unless it is known to be done; calls outside capture ask until it is. A CUDA graph capture
-reads the buffer only once the packing is known done (an event can be neither queried nor waited
-on from outside during capture); before that, the capture packs into memory of its own, and its
-replays pack on every run, as they would without this module.
+event) unless it is known to be done; calls outside capture ask until it is.
 
-A graph captured while reading a kept buffer reads it on every replay: change such a weight in
-place and the replays see the change once a call outside the graph has packed it again (or set
-KERNELGEN_PACK_ONCE=0, which packs on every call, graphs included).
+CUDA graphs: a replay cannot look at a version counter, and a weight changed in place between
+replays (an optimizer step, load_state_dict) must be seen as cuDNN sees it. So a capture packs
+into memory of its own and its replays pack on every run, as without this module, unless the
+capture runs under `frozen_weights()`: then it reads the kept packing (once that is known done;
+an event can be neither queried nor waited on from outside during capture), and its replays treat
+the weights as constants, as torch.compile's freezing does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from typing import Iterator
 
 import torch
 
@@ -42,6 +44,21 @@ class _Pack:
 
 # id(weight) -> (a weak reference to it, {kernel key: its pack})
 _packs: dict[int, tuple[weakref.ref, dict[str, _Pack]]] = {}
+_frozen = 0  # open frozen_weights() contexts
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # (torch.cuda's, unwrapped)
+
+
+@contextlib.contextmanager
+def frozen_weights() -> Iterator[None]:
+    """CUDA graphs captured inside read the weights' kept packings instead of packing on every
+    replay: a weight changed in place after the capture is not seen by its replays (capture again).
+    Outside capture it changes nothing."""
+    global _frozen
+    _frozen += 1
+    try:
+        yield
+    finally:
+        _frozen -= 1
 
 
 def _forget(wid: int, ref: weakref.ref) -> None:
@@ -55,9 +72,12 @@ def lookup(weight: torch.Tensor, key: str, nbytes: int, stream: int) -> tuple[_P
     weight's current version for a launch on `stream` (a raw stream handle; 0 on the CPU).
 
     Not ready: the caller launches with ready=0 into pack.buf, then calls `packed` if the kernel
-    packed. pack None (under capture on a stream the packing is not ordered before): the caller
-    launches into memory of its own with ready=0 and keeps nothing.
+    packed. pack None (under capture, unless frozen_weights() and the packing is known done): the
+    caller launches into memory of its own with ready=0 and keeps nothing.
     """
+    capturing = weight.is_cuda and _capturing()
+    if capturing and not _frozen:
+        return None, False  # (the capture packs into its own memory: replays see in-place changes)
     wid = id(weight)
     entry = _packs.get(wid)
     if entry is None or entry[0]() is not weight:
@@ -65,14 +85,14 @@ def lookup(weight: torch.Tensor, key: str, nbytes: int, stream: int) -> tuple[_P
     pack = entry[1].get(key)
     if pack is None or pack.version != weight._version or pack.ptr != weight.data_ptr() or \
             pack.strides != weight.stride():
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None, False  # (the capture packs into its own memory; nothing kept changes)
+        if capturing:
+            return None, False  # (nothing kept changes during a capture)
         if pack is None:
             pack = entry[1][key] = _Pack(torch.empty(nbytes, dtype=torch.uint8, device=weight.device))
         return pack, False
-    if stream in pack.streams and pack.done:
+    if pack.done and stream in pack.streams:
         return pack, True
-    if torch.cuda.is_current_stream_capturing():
+    if capturing:
         # An event can be neither queried nor waited on from outside during capture, and a replay
         # is ordered after nothing launched before it: read the buffer only once it is known done.
         return (pack, True) if pack.done else (None, False)

@@ -135,3 +135,18 @@ def test_each_kernel_keeps_its_own_packing_of_a_weight():
         functional._run(plan_b, x, w, None)
     assert [r for _, r in a.calls] == [False, True] and [r for _, r in b.calls] == [False, True]
     assert a.calls[0][0] != b.calls[0][0]
+
+
+def test_frozen_weights_changes_nothing_outside_capture():
+    import kernelgen
+
+    w = torch.randn(8, 4, 1, 1)
+    launch = FakeLaunch()
+    plan, x = _plan(launch, w)
+    with kernelgen.frozen_weights():
+        for _ in range(2):
+            functional._run(plan, x, w, None)
+        w.add_(1)
+        functional._run(plan, x, w, None)
+    assert [ready for _, ready in launch.calls] == [False, True, False]
+    assert packs._frozen == 0
