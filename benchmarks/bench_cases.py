@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +66,15 @@ TARGETS = {
 }
 
 
-def _timed(fn, reps: int, times: list[float]) -> None:
-    """Appends the CUDA-event time of each of `reps` runs of fn, in ms."""
+def _timed(fn, reps: int, times: list[float], cuda: bool = True) -> None:
+    """Appends the time of each of `reps` runs of fn, in ms: between CUDA events, or by the host
+    clock where `cuda` is False (the CPU path)."""
     for _ in range(reps):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -85,20 +92,27 @@ def event_ms(fn, warmup: int = 10, reps: int = 40) -> float:
     return statistics.median(times)
 
 
-def paired_ms(fa, fb, rounds: int = 3, reps: int = 15) -> tuple[float, float]:
-    """Medians of event-timed runs of fa and fb, taken in alternating rounds (a, b, a, b, ...)
-    so that a drift of the card's clocks or memory over the measurement hits both alike.
-    One round each once measured case 83's kernel 10% slower than the same kernel a row later."""
-    for f in (fa, fb):
-        for _ in range(10):
+def rounds_ms(*fns, rounds: int = 3, reps: int = 15, warmup: int = 10, cuda: bool = True) -> list[float]:
+    """Each function's median time in ms over `rounds` rounds of `reps` timed runs, the functions
+    taking turns round by round (a, b, c, a, b, c, ...) so that a drift of the card's clocks or
+    memory over the measurement hits all alike; `warmup` untimed runs of each first."""
+    for f in fns:
+        for _ in range(warmup):
             f()
-    torch.cuda.synchronize()
-    ta: list[float] = []
-    tb: list[float] = []
+    if cuda:
+        torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        _timed(fa, reps, ta)
-        _timed(fb, reps, tb)
-    return statistics.median(ta), statistics.median(tb)
+        for f, t in zip(fns, times):
+            _timed(f, reps, t, cuda)
+    return [statistics.median(t) for t in times]
+
+
+def paired_ms(fa, fb, rounds: int = 3, reps: int = 15) -> tuple[float, float]:
+    """Medians of event-timed runs of fa and fb, taken in alternating rounds (rounds_ms).
+    One round each once measured case 83's kernel 10% slower than the same kernel a row later."""
+    a, b = rounds_ms(fa, fb, rounds=rounds, reps=reps)
+    return a, b
 
 
 def ceilings() -> dict[str, float]:

@@ -5,12 +5,15 @@
 # back eight).
 #
 #   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests (or its parts, below) examples bench layers
-#                                            census table ceiling machinery move87
+#                                            census table ceiling machinery move87 networks
 #                                            (default: tests examples bench layers ceiling machinery)
 #
 # `census` times the seeded layer census (benchmarks/census.py, two cells, untuned and tuned);
 # `table` measures every family on the census's training layers and writes this GPU model's
 # selection table (benchmarks/make_table.py) under $OUT, to be checked in as kernelgen/tables/.
+# `networks` times whole torchvision networks, eager beside kernelgen and torch.compile
+# (benchmarks/bench_networks.py, needs torchvision); all of it takes more than one call, so
+# NETWORKS_ARGS narrows a call, e.g. NETWORKS_ARGS="--cells bf16-cl --batches 32 --no-compile".
 #
 # The tier takes more than one device call (about 17 minutes on the H100, each call at most 10):
 # `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck1` and `tests-memcheck2`
@@ -34,7 +37,8 @@ mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
 status=0
 # The logs the stages below append to start empty.
 if want examples; then : > "$out/examples.log"; fi
-if want bench || want layers || want census || want table || want ceiling || want machinery || want move87; then
+if want bench || want layers || want census || want table || want ceiling || want machinery || want move87 ||
+   want networks; then
   : > "$out/benches.log"
 fi
 
@@ -88,6 +92,13 @@ if want ceiling; then
 fi
 if want machinery; then
   python3 benchmarks/bench_machinery.py --json "$out/bench_machinery.json" 2>&1 | tee -a "$out/benches.log"
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want networks; then
+  # Word splitting of NETWORKS_ARGS is wanted: it holds several arguments.
+  # shellcheck disable=SC2086
+  python3 benchmarks/bench_networks.py --budget-s 540 --json "$out/bench_networks.json" ${NETWORKS_ARGS:-} 2>&1 \
+    | tee -a "$out/benches.log" | tail -80
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if want move87; then
