@@ -146,19 +146,20 @@ def test_default_tiles_fit_and_fill_the_card(name, dtype, math, arch):
         assert t["block_m"] == 128 and (blocks >= device.sms // 2 or t["block_n"] == 64) and t["stages"] >= 3
     else:  # two waves, or the smallest tiles
         assert blocks >= device.sms or (t["block_m"], t["block_n"]) == (64, 64)
-    # the template's context carries the same constants, and the workspace the repacked weights
+    # the template's context carries the same constants; the packed weights are kept with the
+    # weight, the call's scratch holds only an input's copy
     ctx = spec.template_context()
     assert ctx["SMEM_BYTES"] == lay["SMEM_BYTES"] and ctx["NTH"] == lay["NTH"]
     esize = 4 if dtype == "float32" else 2
     wbytes = w[0] * w[1] * w[2] * w[3] * esize
-    if FAM.round_copy(spec):  # wgmma on TF32 read 4 times or more: a rounded input copy after the weights
-        assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-wbytes // 256) * 256
+    assert ctx["PACKED_BYTES"] == wbytes and ctx["WORKSPACE_BYTES"] == 0
+    if FAM.round_copy(spec):  # wgmma on TF32 read 4 times or more: a rounded input copy
         assert ctx["WORKSPACE_PER_INPUT"] == 4
     else:
-        assert ctx["WORKSPACE_BYTES"] == wbytes and ctx["WORKSPACE_PER_INPUT"] == 0
-    if name in SMALL_PLANES:  # NCHW: the weights, then the transposed input from a 256-byte boundary
+        assert ctx["WORKSPACE_PER_INPUT"] == 0
+    if name in SMALL_PLANES:  # NCHW: the call's scratch holds the transposed input
         ctx = _nhwc(**R50[name], dtype=dtype, math=math, channels_last=False, arch=arch).template_context()
-        assert ctx["WORKSPACE_BYTES"] == ctx["WS_X_OFFSET"] == -(-w[0] * w[1] * w[2] * w[3] * esize // 256) * 256
+        assert ctx["PACKED_BYTES"] == wbytes and ctx["WORKSPACE_BYTES"] == 0
         assert ctx["WORKSPACE_PER_INPUT"] == esize
 
 
