@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import kernelgen
+from kernelgen.functional import spec_for
 
 pytestmark = pytest.mark.compile
 
@@ -99,16 +100,32 @@ def test_flop_counter_counts_as_for_nn_conv2d(x):
     assert counts[0] > 0 and counts[1] == counts[0]
 
 
-def test_profiler_shows_a_range_per_call():
+def test_profiler_shows_a_range_per_call_naming_its_family():
     m = _model()
     x = torch.randn(2, 4, 16, 16)
     with torch.no_grad():
         eager = m(x)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             y = m(x)
-    names = [e.name for e in prof.events()]
-    assert names.count("kernelgen::conv2d") == 2, names
+    events = prof.events()
+    assert [e.name for e in events].count("kernelgen::conv2d") == 2, [e.name for e in events]
+    launches = [e for e in events if e.name.startswith("kernelgen::conv2d[")]
+    families = [spec_for(x, m[0].weight, m[0].bias, padding=1)[0].family,
+                spec_for(m[1](m[0](x)), m[2].weight, m[2].bias, stride=(2, 1), groups=2)[0].family]
+    assert [e.name for e in launches] == [f"kernelgen::conv2d[{f}]" for f in families], [e.name for e in events]
+    assert all(e.cpu_parent is not None and e.cpu_parent.name == "kernelgen::conv2d" for e in launches)
     assert torch.equal(y, eager)
+
+
+def test_profiled_call_keeps_autograd_and_errors():
+    x, w = torch.randn(1, 4, 8, 8), torch.randn(6, 4, 3, 3, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        y = kernelgen.conv2d(x, w, padding=1)
+        with pytest.raises(RuntimeError, match="groups"):
+            kernelgen.conv2d(x, w, groups=3)
+    assert y.requires_grad and torch.allclose(y, F.conv2d(x, w, padding=1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="no backward kernels"):
+        y.sum().backward()
 
 
 def test_jit_trace_records_the_operator(tmp_path):
