@@ -132,8 +132,9 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
     functorch transform (vmap), the TorchScript tracer or the profiler. Each of them sees the
     operator as it sees an aten op: the fake implementation gives FakeTensors their output, the
     vmap rule below folds the vmapped dimension into the batch, the flop formula counts it, the
-    tracer records one node, the profiler one `kernelgen::conv2d` range. Inside the operator
-    (`_inside`), and for arguments that are not tensors, the eager path runs and explains.
+    tracer records one node, the profiler one `kernelgen::conv2d` range (holding the launch's range,
+    named for its family: `kernelgen::conv2d[cpu_direct]`). Inside the operator (`_inside`), and for
+    arguments that are not tensors, the eager path runs and explains.
     """
     if getattr(_inside, "depth", 0) or not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
                                             and (bias is None or isinstance(bias, torch.Tensor))):

@@ -49,10 +49,10 @@ class Plan:
     """
 
     __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_asis", "b_contig", "args", "key", "ws", "sample",
-                 "packed", "pack_once")
+                 "range_name", "packed", "pack_once")
 
     def __init__(self, launch, out_shape, fmt, squeeze, prep, w_asis, b_contig, args, key, ws=0, sample=None,
-                 packed=0, pack_once=True):
+                 range_name=None, packed=0, pack_once=True):
         self.launch = launch  # None: nothing to compute (an empty batch, or meta tensors)
         self.out_shape = out_shape  # 4-D
         self.fmt = fmt
@@ -64,6 +64,7 @@ class Plan:
         self.key = key
         self.ws = ws  # bytes of device scratch the kernel takes, allocated per call on its stream
         self.sample = sample  # (sh, sw): the kernel reads the view input[..., ::sh, ::sw] (Call.sample)
+        self.range_name = range_name  # the launch's profiler range, naming its family (_profiled)
         self.packed = packed  # bytes of the kernel's packed weights (packs.py), 0 if it packs none
         self.pack_once = pack_once  # keep them with the weight (KERNELGEN_PACK_ONCE); else packed every call
 
@@ -181,6 +182,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         y = compiled.route(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
         if y is not None:
             return y
+        if _profiler._is_profiler_enabled:  # inside the operator: the launch as a range naming its family
+            return _profiled(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
             observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
@@ -189,13 +192,34 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     plan = None if sig is None else _plans.get(sig)
     if plan is None:
-        plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
-        if sig is not None:
-            _plans[sig] = plan
+        plan = _new_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _no_backward().apply(plan, input, weight, bias)
     return _run(plan, input, weight, bias)
+
+
+def _profiled(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles) -> torch.Tensor:
+    """conv2d inside its operator while torch.profiler records: the launch in a range that names the
+    family serving the call (`kernelgen::conv2d[nhwc_tma]`, inside the operator's `kernelgen::conv2d`),
+    so a trace tells the kernels apart. Kept out of conv2d's body, so that an unprofiled call pays
+    nothing for it; grad mode is off here (the operator's autograd wraps it), so no backward node."""
+    input, weight, bias = _resolve_neg(input, weight, bias)
+    sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+    plan = (None if sig is None else _plans.get(sig)) or _new_plan(input, weight, bias, stride, padding, dilation,
+                                                                   groups, precision, family, tiles, sig)
+    if plan.range_name is None:  # nothing to launch
+        return _run(plan, input, weight, bias)
+    with torch.profiler.record_function(plan.range_name):
+        return _run(plan, input, weight, bias)
+
+
+def _new_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig) -> Plan:
+    """A call signature's first plan, memoised for its later calls (where it has a signature)."""
+    plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
+    if sig is not None:
+        _plans[sig] = plan
+    return plan
 
 
 def _resolve_neg(*tensors):
@@ -527,9 +551,11 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     ys = (_channels_last_strides if channels_last else _contiguous_strides)((N, K, P, Q))
     w_asis, wst = _weight_strides(weight)
     dev = input.device.index if input.is_cuda else -1
+    family = (entry_spec(key) or {}).get("family", "unknown")
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, w_asis,
                 bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, *wst, dev), key,
-                workspace_bytes(key, input.numel(), N * K * P * Q), sample, packed_bytes(key), config.pack_once())
+                workspace_bytes(key, input.numel(), N * K * P * Q), sample, f"kernelgen::conv2d[{family}]",
+                packed_bytes(key), config.pack_once())
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -14,7 +14,9 @@ This module is for graphs captured earlier, which hold the operator `kernelgen::
     torch.onnx.export(kernelgen.onnx.decompose(ep), args, "m.onnx")      # the dynamo exporter
     torch.onnx.export(ep, args, "m.onnx", custom_translation_table=kernelgen.onnx.translation_table())
 
-It is not imported by `import kernelgen`: torch.onnx costs a process ~50 ms to import.
+`decompose` also makes a saved torch.export program that loads without kernelgen (on torch's
+convolution). Checked with onnx.checker and onnxruntime: docs/tools.md. It is not imported by
+`import kernelgen`: torch.onnx costs a process ~50 ms to import.
 """
 
 from __future__ import annotations
@@ -44,32 +46,36 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
     return program.run_decompositions({torch.ops.kernelgen.conv2d.default: _aten})
 
 
-def _attributes(stride, padding, padding_mode, dilation, groups) -> dict:
-    """ONNX Conv's attributes for the operator's parameters. 'same' is SAME_UPPER: torch pads the
-    odd one at the end, as SAME_UPPER does (stride 1, which 'same' requires)."""
-    attrs = {"strides": list(stride), "dilations": list(dilation), "group": int(groups)}
-    if padding_mode == "same":
-        attrs["auto_pad"] = "SAME_UPPER"
-    elif padding_mode == "valid":
-        attrs["pads"] = [0, 0, 0, 0]
+def _attributes(stride, padding, padding_mode, dilation, groups, kernel_size) -> dict:
+    """ONNX Conv's attributes for the operator's parameters. 'same' is written as explicit pads,
+    the odd one at the end as torch pads it (stride 1, which 'same' requires): ONNX's auto_pad
+    SAME_UPPER means the same, but onnxruntime refuses it with a dilation."""
+    if padding_mode == "valid":
+        pads = [0, 0, 0, 0]
+    elif padding_mode == "same":
+        total = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
+        pads = [total[0] // 2, total[1] // 2, total[0] - total[0] // 2, total[1] - total[1] // 2]
     else:
-        attrs["pads"] = [padding[0], padding[1], padding[0], padding[1]]
-    return attrs
+        pads = [padding[0], padding[1], padding[0], padding[1]]
+    return {"strides": list(stride), "pads": pads, "dilations": list(dilation), "group": int(groups)}
 
 
+@symbolic_helper.parse_args("v", "v", "v", "is", "is", "s", "is", "i", "none", "none", "none")
 def _symbolic(g, input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles):
-    """The TorchScript exporter's translation of a traced kernelgen::conv2d node."""
-    const = symbolic_helper._maybe_get_const
-    attrs = _attributes(const(stride, "is"), const(padding, "is"),
-                        None if symbolic_helper._is_none(padding_mode) else const(padding_mode, "s"),
-                        const(dilation, "is"), const(groups, "i"))
-    unbatched = symbolic_helper._get_tensor_rank(input) == 3
+    """The TorchScript exporter's translation of a traced kernelgen::conv2d node (public API only:
+    parse_args and the graph's own values)."""
+    kernel_size = weight.type().varyingSizes()[2:]
+    if padding_mode == "same" and None in kernel_size:
+        raise ValueError("kernelgen.onnx: padding='same' needs the weight's kernel size, which the traced graph "
+                         f"does not know ({weight.type()}); trace with the weight as a parameter of fixed shape")
+    attrs = _attributes(stride, padding, padding_mode, dilation, groups, kernel_size)
+    unbatched = input.type().dim() == 3
+    axis = g.op("Constant", value_t=torch.tensor([0], dtype=torch.long))
     if unbatched:  # ONNX Conv takes (N, C, H, W) only
-        input = symbolic_helper._unsqueeze_helper(g, input, [0])
-    inputs = (input, weight) if symbolic_helper._is_none(bias) else (input, weight, bias)
-    kw = {k + ("_s" if k == "auto_pad" else "_i"): v for k, v in attrs.items()}
-    y = g.op("Conv", *inputs, **kw)
-    return symbolic_helper._squeeze_helper(g, y, [0]) if unbatched else y
+        input = g.op("Unsqueeze", input, axis)
+    inputs = (input, weight) if bias.node().mustBeNone() else (input, weight, bias)
+    y = g.op("Conv", *inputs, **{k + "_i": v for k, v in attrs.items()})
+    return g.op("Squeeze", y, axis) if unbatched else y
 
 
 def translation_table() -> dict[Callable, Callable]:
@@ -79,7 +85,7 @@ def translation_table() -> dict[Callable, Callable]:
 
     def conv2d(input, weight, bias=None, stride=(1, 1), padding=(0, 0), padding_mode=None, dilation=(1, 1),
                groups=1, precision=None, family=None, tiles=None):
-        attrs = _attributes(stride, padding, padding_mode, dilation, groups)
+        attrs = _attributes(stride, padding, padding_mode, dilation, groups, weight.shape[2:])
         unbatched = len(input.shape) == 3
         if unbatched:
             input = op.Unsqueeze(input, op.Constant(value_ints=[0]))

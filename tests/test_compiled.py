@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +14,7 @@ import kernelgen
 from kernelgen.functional import NO_BACKWARD
 
 pytestmark = pytest.mark.compile
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +62,53 @@ def test_export_holds_the_operator(strict):
     assert targets.count("kernelgen.conv2d.default") == 2, targets
     with torch.no_grad():
         assert torch.equal(ep.module()(x), m(x))
+
+
+# A saved program loaded by a process of its own: with `import kernelgen`, without it, and decomposed
+# to aten (kernelgen.onnx.decompose), which needs no kernelgen to load.
+LOAD = r"""
+import sys, torch
+program, tensors, imports = sys.argv[1:]
+if imports == "kernelgen":
+    import kernelgen
+x, eager = torch.load(tensors)
+try:
+    ep = torch.export.load(program)
+except RuntimeError as e:
+    print("load failed:", e)
+    sys.exit(3)
+targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+with torch.no_grad():
+    y = ep.module()(x)
+ops = "kernelgen" if any("kernelgen" in t for t in targets) else "aten"
+same = "equal" if torch.equal(y, eager) else "close" if torch.allclose(y, eager, rtol=1e-5, atol=1e-5) else "differ"
+print(ops, same, "kernelgen" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("program, imports, expect", [
+    ("kernelgen", "kernelgen", (0, "kernelgen equal True")),
+    ("kernelgen", "nothing", (3, None)),
+    ("decomposed", "nothing", (0, "aten close False"))])
+def test_saved_program_loads_where_kernelgen_is_imported(program, imports, expect, tmp_path):
+    m = _model().eval()
+    x = torch.randn(2, 4, 16, 16)
+    ep = torch.export.export(m, (x,))
+    if program == "decomposed":
+        from kernelgen.onnx import decompose
+
+        ep = decompose(ep)
+    torch.export.save(ep, tmp_path / "m.pt2")
+    with torch.no_grad():
+        torch.save((x, m(x)), tmp_path / "x.pt")
+    p = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path / "m.pt2"), str(tmp_path / "x.pt"), imports],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    rc, out = expect
+    assert p.returncode == rc, (p.returncode, p.stdout, p.stderr[-3000:])
+    if out is not None:
+        assert p.stdout.strip() == out, (p.stdout, p.stderr[-3000:])
+    else:  # torch's deserialisation error, its log naming the operator it cannot find
+        assert "kernelgen.conv2d" in p.stderr, p.stderr[-3000:]
 
 
 def test_fx_symbolic_trace_keeps_each_call_whole():

@@ -1,0 +1,127 @@
+"""Compile tier, where onnx and onnxruntime are installed: a model with kernelgen convolutions,
+exported by either torch.onnx exporter, is a standard ONNX model (`Conv` nodes, onnx.checker) that
+onnxruntime runs to the torch model's outputs. Skipped without them (CI does not install them);
+tests/test_torch_tools.py checks what the exporters capture without them."""
+
+from __future__ import annotations
+
+import copy
+from importlib import import_module
+
+import pytest
+import torch
+
+import kernelgen
+
+onnx = pytest.importorskip("onnx")
+onnxruntime = pytest.importorskip("onnxruntime")
+
+pytestmark = [pytest.mark.compile, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+def _layers():
+    """kernelgen.Conv2d layers: padding, a rectangular kernel, stride, groups, 'valid'."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(kernelgen.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(),
+                               kernelgen.Conv2d(8, 6, (3, 5), stride=(2, 1), padding="valid", groups=2)).eval()
+
+
+def _same_dilated():
+    """'same' padding with a dilation (onnxruntime refuses auto_pad SAME_UPPER with a dilation)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(kernelgen.Conv2d(4, 6, 3, padding="same", dilation=2), torch.nn.ReLU(),
+                               kernelgen.Conv2d(6, 6, 3, stride=2, groups=2)).eval()
+
+
+def _converted():
+    """A torch model of Conv2d + BatchNorm2d, converted with its BatchNorms folded into the convolutions."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.Conv2d(8, 6, 3, stride=2, groups=2)).eval()
+    model[1].running_mean.uniform_(-1, 1)
+    model[1].running_var.uniform_(0.5, 2)
+    kernelgen.convert(model, example_inputs=(torch.randn(2, 4, 12, 12),), fold_bn=True)
+    assert isinstance(model[0], kernelgen.Conv2d) and isinstance(model[1], torch.nn.Identity)
+    return model
+
+
+MODELS = {"layers": _layers, "converted": _converted, "same dilated": _same_dilated}
+
+
+def _export(model, x, exporter: str, path, **kw) -> bytes:
+    """The ONNX file `exporter` ('dynamo' or 'torchscript') writes for model(x)."""
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")  # the dynamo exporter's translator
+        torch.onnx.export(model, (x,), dynamo=True, verbose=False, **kw).save(str(path))
+    else:
+        torch.onnx.export(model, (x,), str(path), dynamo=False, **kw)
+    return path.read_bytes()
+
+
+def _convs(data: bytes) -> list[tuple]:
+    """Each node of a checked standard ONNX model: its op and attributes (Conv, Relu, ...)."""
+    proto = onnx.load_from_string(data)
+    onnx.checker.check_model(proto, full_check=True)
+    assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node), [(n.op_type, n.domain) for n in proto.graph.node]
+    return [(n.op_type, sorted((a.name, str(onnx.helper.get_attribute_value(a))) for a in n.attribute))
+            for n in proto.graph.node]
+
+
+def _run(data: bytes, x: torch.Tensor) -> torch.Tensor:
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    return torch.from_numpy(y)
+
+
+def _check_runs(data: bytes, model, x: torch.Tensor, convs: int) -> None:
+    """`convs` Conv nodes, a valid model, and onnxruntime's outputs those of the torch model."""
+    ops = [op for op, _ in _convs(data)]
+    assert ops.count("Conv") == convs and "BatchNormalization" not in ops, ops
+    with torch.no_grad():
+        torch.testing.assert_close(_run(data, x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name, shape", [("layers", (2, 4, 12, 12)), ("layers", (4, 12, 12)),
+                                         ("converted", (2, 4, 12, 12))], ids=["batched", "unbatched", "converted"])
+def test_export_runs_in_onnxruntime(exporter, name, shape, tmp_path):
+    model = MODELS[name]()
+    x = torch.randn(*shape)
+    _check_runs(_export(model, x, exporter, tmp_path / "m.onnx"), model, x, 2)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_export_is_nn_conv2ds(exporter, name, tmp_path):
+    # The same nodes and attributes as the model on torch's layers: a kernelgen convolution exports
+    # as torch's own does (with torch's one quirk: the TorchScript exporter writes 'same' with a
+    # dilation as auto_pad SAME_UPPER, which onnxruntime refuses for nn.Conv2d too).
+    model = MODELS[name]()
+    torch_model = kernelgen.revert(copy.deepcopy(model))
+    assert not any(isinstance(m, kernelgen.Conv2d) for m in torch_model.modules())
+    x = torch.randn(2, 4, 12, 12)
+    ours = _convs(_export(model, x, exporter, tmp_path / "kg.onnx"))
+    assert ours == _convs(_export(torch_model, x, exporter, tmp_path / "torch.onnx"))
+
+
+@pytest.mark.parametrize("form", ["traced module", "decomposed program", "translation table"])
+@pytest.mark.parametrize("name, shape", [("layers", (2, 4, 12, 12)), ("layers", (4, 12, 12)),
+                                         ("same dilated", (2, 4, 12, 12))],
+                         ids=["batched", "unbatched", "same dilated"])
+def test_captured_operator_exports_as_conv(form, name, shape, tmp_path):
+    # Graphs captured before the export (holding kernelgen::conv2d), translated by kernelgen.onnx.
+    kg_onnx = import_module("kernelgen.onnx")
+    model = MODELS[name]()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        if form == "traced module":
+            data = _export(torch.jit.trace(model, (x,)), x, "torchscript", tmp_path / "m.onnx")
+        else:
+            program = torch.export.export(model, (x,))
+            if form == "decomposed program":
+                data = _export(kg_onnx.decompose(program), x, "dynamo", tmp_path / "m.onnx")
+            else:
+                data = _export(program, x, "dynamo", tmp_path / "m.onnx",
+                               custom_translation_table=kg_onnx.translation_table())
+    _check_runs(data, model, x, 2)
