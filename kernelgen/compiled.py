@@ -15,8 +15,13 @@ no backward kernels, so the operator's backward is a second operator, `kernelgen
 that raises what an eager backward raises when it runs: a graph whose parameters require grad
 still compiles (its backward is traced then) and runs forward.
 
+A call with a fused epilogue (activation, residual) is the operator `kernelgen::conv2d_epilogue`,
+whose schema is conv2d's and the epilogue's three arguments, with the same implementations: a graph
+of plain calls holds `kernelgen::conv2d` with the schema it had before epilogues (a TorchScript
+node holds every input of its schema, so a longer one would change every traced graph).
+
 Eager calls that PyTorch's tools wrap or watch (FakeTensorMode, vmap, FlopCounterMode, the profiler,
-the TorchScript tracer, ONNX export) take the same operator (`route`), so each tool sees one op.
+the TorchScript tracer, ONNX export) take the same operators (`route`), so each tool sees one op.
 """
 
 from __future__ import annotations
@@ -38,9 +43,24 @@ _inside = threading.local()
 @torch.library.custom_op("kernelgen::conv2d", mutates_args=())
 def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
               padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
-              precision: Optional[str], family: Optional[str], tiles: Optional[str], activation: Optional[str] = None,
-              negative_slope: float = 0.01, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+              precision: Optional[str], family: Optional[str], tiles: Optional[str]) -> torch.Tensor:
     """The call, computed eagerly by kernelgen.conv2d (its output is always a new tensor)."""
+    return _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles)
+
+
+@torch.library.custom_op("kernelgen::conv2d_epilogue", mutates_args=())
+def conv2d_epilogue_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
+                       padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
+                       precision: Optional[str], family: Optional[str], tiles: Optional[str],
+                       activation: Optional[str], negative_slope: float,
+                       residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """A call with a fused epilogue, computed eagerly by kernelgen.conv2d."""
+    return _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
+                  activation, negative_slope, residual)
+
+
+def _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
+           activation=None, negative_slope=0.01, residual=None):
     from .functional import conv2d
 
     _inside.depth = getattr(_inside, "depth", 0) + 1
@@ -53,6 +73,7 @@ def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 @conv2d_op.register_fake
+@conv2d_epilogue_op.register_fake
 def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
           activation=None, negative_slope=0.01, residual=None):
     """The output conv2d would return, from conv2d's own checks; no kernel is chosen or built."""
@@ -91,16 +112,18 @@ def _fake_backward(grad, input, weight, bias):
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
     ctx.has_bias = inputs[2] is not None
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, grad):
     input, weight, bias = ctx.saved_tensors
     grads = backward_op(grad, input, weight, bias if ctx.has_bias else None)
-    # (stride ... tiles, activation, negative_slope; the residual's gradient never comes: backward_op raises)
-    return (grads[0], grads[1], grads[2] if ctx.has_bias else None) + (None,) * 11
+    # (none for stride ... tiles and the epilogue's arguments: a residual's never comes, backward_op raises)
+    return (grads[0], grads[1], grads[2] if ctx.has_bias else None) + (None,) * (ctx.n_inputs - 3)
 
 
 conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+conv2d_epilogue_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _int(name: str, value) -> int:
@@ -128,14 +151,12 @@ def call(input, weight, bias, stride, padding, dilation, groups, precision: str 
         y = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
         return epilogue(y, activation, negative_slope, residual)
     mode = padding if isinstance(padding, str) else None
-    if activation is None and residual is None:  # (the schema's defaults: a graph without an epilogue keeps its form)
-        return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
-                         mode, _ints("dilation", dilation), _int("groups", groups), precision, family,
-                         None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
-    return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
-                     mode, _ints("dilation", dilation), _int("groups", groups), precision, family,
-                     None if tiles is None else json.dumps(dict(tiles), sort_keys=True), activation,
-                     _slope(negative_slope), residual)
+    args = (input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding), mode,
+            _ints("dilation", dilation), _int("groups", groups), precision, family,
+            None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
+    if activation is None and residual is None:
+        return conv2d_op(*args)
+    return conv2d_epilogue_op(*args, activation, _slope(negative_slope), residual)
 
 
 def _slope(value) -> float:
@@ -200,30 +221,36 @@ def _vmap(info, in_dims, input, weight, bias, *params):
     a vmapped residual with a shared input, is one call per sample, stacked (correct; as slow as a
     loop)."""
     x_dim, w_dim, b_dim = in_dims[:3]
-    r_dim = in_dims[13] if len(in_dims) > 13 else None
-    params, residual = list(params[:10]), params[10] if len(params) > 10 else None
+    epilogue = len(params) > 8  # (conv2d_epilogue_op: activation, negative_slope, residual follow)
+    params, residual = params[:10], params[10] if epilogue else None
+    r_dim = in_dims[13] if epilogue else None
+
+    def op(x, w, b, r):
+        return conv2d_epilogue_op(x, w, b, *params, r) if epilogue else conv2d_op(x, w, b, *params)
+
     if w_dim is None and b_dim is None and x_dim is not None:
         x = input.movedim(x_dim, 0)
         r = None
         if residual is not None:  # (vmapped, *the output's shape of one sample)
             r = residual.movedim(r_dim, 0) if r_dim is not None else residual.expand(x.shape[0], *residual.shape)
         if x.dim() == 4:  # (vmapped, C, H, W): each sample an unbatched input
-            return conv2d_op(x, weight, bias, *params, r), 0
-        y = conv2d_op(x.flatten(0, 1), weight, bias, *params, None if r is None else r.flatten(0, 1))
+            return op(x, weight, bias, r), 0
+        y = op(x.flatten(0, 1), weight, bias, None if r is None else r.flatten(0, 1))
         return y.unflatten(0, x.shape[:2]), 0
 
     def sample(t, dim, i):
         return t if t is None or dim is None else t.select(dim, i)
 
-    ys = [conv2d_op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), *params,
-                    sample(residual, r_dim, i)) for i in range(info.batch_size)]
+    ys = [op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), sample(residual, r_dim, i))
+          for i in range(info.batch_size)]
     return torch.stack(ys), 0
 
 
 conv2d_op.register_vmap(_vmap)
+conv2d_epilogue_op.register_vmap(_vmap)
 
 
-@register_flop_formula(torch.ops.kernelgen.conv2d)
+@register_flop_formula([torch.ops.kernelgen.conv2d, torch.ops.kernelgen.conv2d_epilogue])
 def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     """FlopCounterMode's count for a call: torch's own convolution formula (an unbatched call counts
     as a batch of one, as F.conv2d's aten.convolution sees it). Registered at import, since each

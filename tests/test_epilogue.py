@@ -418,26 +418,32 @@ def test_torch_compile_vmap_flops_and_profiler_carry_the_epilogue():
 
     with torch.profiler.profile() as prof:
         y = kernelgen.conv2d(x, w, b, **kw)
-    assert any(e.name == "kernelgen::conv2d" for e in prof.events())
+    assert any(e.name == "kernelgen::conv2d_epilogue" for e in prof.events())
     assert rel_err(y, ref) <= 1e-5
 
 
 @pytest.mark.compile
 def test_a_call_without_an_epilogue_keeps_the_operators_form():
-    # A graph captured from a plain call passes the schema's first eleven arguments only (what
-    # graphs captured before epilogues hold); one with an epilogue passes all fourteen.
+    # A plain call's graphs hold kernelgen::conv2d with the eleven inputs of before epilogues (a
+    # TorchScript node holds every input of its schema, and kernelgen.onnx translates those); a
+    # call with an epilogue is kernelgen::conv2d_epilogue, the three more.
     x, w = _call_args()
     r = torch.randn(2, 6, 9, 9)
+    assert len(torch.ops.kernelgen.conv2d.default._schema.arguments) == 11
+    assert [a.name for a in torch.ops.kernelgen.conv2d_epilogue.default._schema.arguments][11:] == \
+        ["activation", "negative_slope", "residual"]
     nodes = []
 
     def backend(gm, example_inputs):
-        nodes.extend(n for n in gm.graph.nodes if n.target is torch.ops.kernelgen.conv2d.default)
+        nodes.extend((n.target, len(n.args) + len(n.kwargs)) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
     torch.compile(lambda x: kernelgen.conv2d(x, w, padding=1), backend=backend, fullgraph=True)(x)
     torch.compile(lambda x: kernelgen.conv2d(x, w, padding=1, activation="relu", residual=r), backend=backend,
                   fullgraph=True)(x)
-    assert [len(n.args) + len(n.kwargs) for n in nodes] == [11, 14]
+    assert nodes == [(torch.ops.kernelgen.conv2d.default, 11), (torch.ops.kernelgen.conv2d_epilogue.default, 14)]
+    traced = torch.jit.trace(lambda x: kernelgen.conv2d(x, w, padding=1), (x,))
+    assert [len(list(n.inputs())) for n in traced.graph.nodes() if n.kind() == "kernelgen::conv2d"] == [11]
 
 
 def test_onnx_export_computes_the_epilogue_with_torchs_operators(monkeypatch):
@@ -448,3 +454,52 @@ def test_onnx_export_computes_the_epilogue_with_torchs_operators(monkeypatch):
         y = compiled.call(x, w, b, SHAPE["kw"]["stride"], SHAPE["kw"]["padding"], 1, SHAPE["kw"]["groups"], None,
                           None, None, act, 0.3, r)
         assert rel_err(y, expected(x, w, b, **SHAPE["kw"], activation=act, negative_slope=0.3, residual=r)) <= 1e-5
+
+
+# -- tuning and warming calls with an epilogue ---------------------------------------------------
+
+@pytest.mark.compile
+def test_tuning_a_call_with_an_epilogue(fresh_cache):
+    x, w, b, r = _tensors(torch.float32)
+    kw = dict(SHAPE["kw"], activation="leaky_relu", negative_slope=0.3, residual=r)
+    res = kernelgen.tune(x, w, b, **kw)
+    assert res.spec.activation == "leaky_relu" and res.spec.residual
+    assert len(res.timings) == 2 and all(us is not None for _, us, _ in res.timings), res.timings
+    before = kernelgen.stats()["compiles"]
+    y = kernelgen.conv2d(x, w, b, **kw)  # the tuned kernel, from the plan record
+    assert kernelgen.stats()["compiles"] == before
+    assert rel_err(y, expected(x, w, b, **kw)) <= 1e-5
+
+
+def test_warm_records_carry_the_epilogue():
+    from kernelgen import warm
+
+    rec = {"input": [2, 8, 12, 12], "weight": [12, 8, 3, 3], "bias": True, "padding": 1, "device": "cpu",
+           "activation": "silu", "residual": True}
+    spec = warm.parse_record(rec)
+    assert (spec.activation, spec.residual) == ("silu", True)
+    args = warm.record_tensors(rec, "cpu")
+    assert args["activation"] == "silu" and args["residual"].shape == (2, 12, 12, 12)
+    with pytest.raises(warm.RecordError, match="'residual': expected true or false"):
+        warm.parse_record(dict(rec, residual="yes"))
+    with pytest.raises(warm.RecordError, match="activation must be None or one of"):
+        warm.parse_record(dict(rec, activation="tanh"))
+
+
+def test_a_model_run_on_meta_tensors_finds_its_epilogues():
+    from kernelgen import warm
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = kernelgen.Conv2d(8, 12, 3, padding=1)
+            self.b = torch.nn.Conv2d(12, 12, 3, padding=1)
+
+        def forward(self, x):
+            y = self.a(x)
+            return kernelgen.conv2d(y, self.b.weight, self.b.bias, padding=1, activation="relu", residual=y)
+
+    found = warm.find_model_calls(Block(), [(2, 8, 12, 12)], "cpu")
+    assert [(f.spec.activation, f.spec.residual) for f in found] == [("none", False), ("relu", True)]
+    assert found[1].record["activation"] == "relu" and found[1].record["residual"] is True
+    assert warm.parse_record(found[1].record) == found[1].spec
