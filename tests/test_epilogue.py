@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib.util
 import os
 import re
 import tempfile
@@ -503,3 +504,34 @@ def test_a_model_run_on_meta_tensors_finds_its_epilogues():
     assert [(f.spec.activation, f.spec.residual) for f in found] == [("none", False), ("relu", True)]
     assert found[1].record["activation"] == "relu" and found[1].record["residual"] is True
     assert warm.parse_record(found[1].record) == found[1].spec
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(importlib.util.find_spec("onnx") is None or importlib.util.find_spec("onnxruntime") is None,
+                    reason="needs onnx and onnxruntime")
+def test_a_model_with_epilogues_exports_to_standard_onnx(tmp_path):
+    # (torch.onnx.export's TorchScript exporter; the graph: Conv, then Add and the activation)
+    import io
+
+    import onnx
+    import onnxruntime
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = kernelgen.Conv2d(4, 6, 3, padding=1)
+            self.w = torch.nn.Parameter(torch.randn(6, 6, 3, 3))
+
+        def forward(self, x):
+            y = self.a(x)
+            return kernelgen.conv2d(y, self.w, None, padding=1, activation="hardswish", residual=y)
+
+    m, x = Block().eval(), torch.randn(2, 4, 8, 8)
+    f = io.BytesIO()
+    torch.onnx.export(m, (x,), f, dynamo=False)
+    ops = [n.op_type for n in onnx.load_from_string(f.getvalue()).graph.node]
+    assert ops.count("Conv") == 2 and "Add" in ops and "HardSwish" in ops, ops
+    session = onnxruntime.InferenceSession(f.getvalue(), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        assert rel_err(torch.from_numpy(y), m(x).double()) <= 1e-5
