@@ -27,6 +27,7 @@ the TorchScript tracer, ONNX export) take the same operators (`route`), so each 
 from __future__ import annotations
 
 import json
+import numbers
 import operator
 import sys
 import threading
@@ -156,12 +157,19 @@ def call(input, weight, bias, stride, padding, dilation, groups, precision: str 
             None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
     if activation is None and residual is None:
         return conv2d_op(*args)
-    return conv2d_epilogue_op(*args, activation, _slope(negative_slope), residual)
+    return conv2d_epilogue_op(*args, activation, _slope(activation, negative_slope), residual)
 
 
-def _slope(value) -> float:
-    """negative_slope in the schema's form (a float); the operator's checks explain a bad one."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+def _slope(activation, value) -> float:
+    """negative_slope in the schema's form, a float: leaky_relu's (the operator's checks explain one
+    that is not finite), or a placeholder for the other activations, which ignore it."""
+    if activation != "leaky_relu":
+        return 0.01
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        from .checks import slope_bits  # (a warm start imports no validation module)
+
+        slope_bits(value)  # raises ConvArgumentError, naming the value
+    return float(value)
 
 
 def epilogue(y: torch.Tensor, activation: str | None, negative_slope: float = 0.01,

@@ -226,12 +226,12 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
     device); the slope travels at run time."""
     alpha = 0
     if activation == "leaky_relu":
-        alpha = _slopes.get(negative_slope)
+        alpha = _slopes.get(negative_slope) if negative_slope.__class__ is float else None
         if alpha is None:
             from .checks import slope_bits
 
-            alpha = slope_bits(negative_slope)
-            if len(_slopes) < 64:
+            alpha = slope_bits(negative_slope)  # (explains a bad one, on every call: it is not in the signature)
+            if negative_slope.__class__ is float and len(_slopes) < 64:
                 _slopes[negative_slope] = alpha
     if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias, residual)):
         input, weight, bias, residual = _resolve_neg(input, weight, bias, residual)

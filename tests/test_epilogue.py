@@ -535,3 +535,14 @@ def test_a_model_with_epilogues_exports_to_standard_onnx(tmp_path):
     (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     with torch.no_grad():
         assert rel_err(torch.from_numpy(y), m(x).double()) <= 1e-5
+
+
+@pytest.mark.compile
+def test_the_operator_path_explains_and_ignores_the_slope_as_the_eager_one_does():
+    # (the profiler routes an eager call through the operator)
+    x, w = _call_args()
+    with torch.profiler.profile():
+        with pytest.raises(ConvArgumentError, match="finite float"):
+            kernelgen.conv2d(x, w, padding=1, activation="leaky_relu", negative_slope="0.1")
+        y = kernelgen.conv2d(x, w, padding=1, activation="relu", negative_slope="ignored")
+    assert rel_err(y, expected(x, w, None, padding=1, activation="relu")) <= 1e-5
