@@ -17,7 +17,7 @@
 # (compute-sanitizer's memcheck over two halves of the families, 4-5 each; `tests-memcheck` runs
 # both), `tests-memcheck-epilogue1` and `-epilogue2` (the same calls with fused epilogues, each a
 # new kernel to build) and `tests-rest` (everything else, 2) are its parts for separate calls.
-# `tests-sweep` includes the fused-epilogue cases (`-k epilogue` in the sweep).
+# `tests-sweep` includes the fused-epilogue cases (`-k "sweep and epilogue"` selects them alone).
 #
 # The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
 # machine reuses what the first compiled.

@@ -1236,7 +1236,7 @@ def make_epilogue_cases(cases: list[Case], per_family: int = 6, seed: int = 5353
     (and of the selector's own choices), drawn so that each family's dtypes and layouts vary, each
     given an activation (kernelgen.ACTIVATIONS and none, in turn) and a residual (none, with the
     output's strides, the other memory format's, a strided view, in turn), at least one of the two.
-    `pytest -m gpu -k epilogue` runs them alone."""
+    `pytest -m gpu -k "sweep and epilogue"` runs them alone."""
     rng = random.Random(seed)
     pools: dict[str, list[Case]] = {}
     for case in cases:
