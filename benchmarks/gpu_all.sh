@@ -18,7 +18,9 @@
 # The tier takes more than one device call (about 17 minutes on the H100, each call at most 10):
 # `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck1` and `tests-memcheck2`
 # (compute-sanitizer's memcheck over two halves of the families, 4-5 each; `tests-memcheck` runs
-# both) and `tests-rest` (everything else, 2) are its parts for separate calls.
+# both), `tests-memcheck-epilogue1` and `-epilogue2` (the same calls with fused epilogues, each a
+# new kernel to build) and `tests-rest` (everything else, 2) are its parts for separate calls.
+# `tests-sweep` includes the fused-epilogue cases (`-k "sweep and epilogue"` selects them alone).
 #
 # The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
 # machine reuses what the first compiled.
@@ -50,13 +52,17 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 tier() { python3 -m pytest tests -m gpu -q -p no:cacheprovider -rfE "$@" 2>&1 | tee -a "$out/gpu_tests.log" | tail -40
          status=$(( status | ${PIPESTATUS[0]} )); }
 if want tests || want tests-sweep || want tests-memcheck || want tests-memcheck1 || want tests-memcheck2 ||
-   want tests-rest; then : > "$out/gpu_tests.log"; fi
+   want tests-memcheck-epilogue1 || want tests-memcheck-epilogue2 || want tests-rest; then : > "$out/gpu_tests.log"; fi
 if want tests; then tier; fi
 if want tests-sweep; then tier -k test_sweep_against_float64; fi
 if want tests-memcheck; then tier -k test_compute_sanitizer_memcheck_is_clean; fi
 if want tests-memcheck1; then tier -k "test_compute_sanitizer_memcheck_is_clean and part1"; fi
 if want tests-memcheck2; then tier -k "test_compute_sanitizer_memcheck_is_clean and part2"; fi
-if want tests-rest; then tier -k "not test_sweep_against_float64 and not test_compute_sanitizer_memcheck_is_clean"; fi
+if want tests-memcheck-epilogue1; then tier -k "test_compute_sanitizer_memcheck_with_epilogues_is_clean and part1"; fi
+if want tests-memcheck-epilogue2; then tier -k "test_compute_sanitizer_memcheck_with_epilogues_is_clean and part2"; fi
+if want tests-rest; then
+  tier -k "not test_sweep_against_float64 and not test_compute_sanitizer_memcheck_is_clean and not test_compute_sanitizer_memcheck_with_epilogues_is_clean"
+fi
 if want examples; then
   # Warm every example's kernels ahead of time, then the main job must compile nothing.
   python3 -m kernelgen warm --examples --jobs "$KERNELGEN_JOBS" 2>&1 | tee -a "$out/examples.log" | tail -8

@@ -2,6 +2,7 @@
 
     import kernelgen
     y = kernelgen.conv2d(x, w, bias=None, stride=1, padding=0, dilation=1, groups=1)
+    y = kernelgen.conv2d(x, w, b, padding=1, activation="relu", residual=r)  # relu(conv + b + r), fused
     m = kernelgen.Conv2d(64, 128, kernel_size=3, padding=1)
     kernelgen.tune(x, w, padding=1)      # time the top candidates on this GPU; later calls use the fastest
 
@@ -18,7 +19,7 @@ from .kernels import stats
 _LAZY = {"ConvSpec": "spec", "Conv2d": "nn", "KernelgenError": "errors", "ConvArgumentError": "errors",
          "CompileError": "errors", "CacheError": "errors", "Unsupported": "errors", "tune": "tuner",
          "tune_calls": "tuner", "TuneResult": "tuner", "convert": "conversion", "revert": "conversion",
-         "report": "conversion", "frozen_weights": "packs"}
+         "report": "conversion", "frozen_weights": "packs", "ACTIVATIONS": "spec"}
 
 
 def __getattr__(name):
@@ -36,5 +37,6 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "stats", "tune", "tune_calls", "TuneResult",
-           "convert", "revert", "report", "frozen_weights", "KernelgenError", "ConvArgumentError", "CompileError", "CacheError", "Unsupported"]
+__all__ = ["__version__", "conv2d", "Conv2d", "ConvSpec", "ACTIVATIONS", "stats", "tune", "tune_calls", "TuneResult",
+           "convert", "revert", "report", "frozen_weights", "KernelgenError", "ConvArgumentError", "CompileError",
+           "CacheError", "Unsupported"]

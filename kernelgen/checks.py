@@ -7,13 +7,16 @@ ValueError) or `TypeError`.
 
 from __future__ import annotations
 
+import math
+import numbers
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from .errors import ConvArgumentError
 from .layout import is_channels_last  # noqa: F401 (part of this module's API)
-from .spec import DTYPES, INT_MAX, ConvSpec, bounded, canonical_dtype, index, pair
+from .spec import ACTIVATIONS, DTYPES, INT_MAX, ConvSpec, bounded, canonical_dtype, index, pair
 
 _FLOAT_DTYPES = {getattr(torch, name) for name in DTYPES}
 
@@ -147,6 +150,52 @@ def check_call(input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, device
     channels_last = ((is_channels_last(input.unsqueeze(0) if unbatched else input) or is_channels_last(weight))
                      and not (device == "cuda" and input.dtype == torch.float64))
     return Call(unbatched=unbatched, N=N, C=C, H=H, W=W, K=K, P=P, Q=Q, channels_last=channels_last)
+
+
+def check_activation(activation) -> str:
+    """The spec's name for a call's `activation`: 'none' for None, else a member of ACTIVATIONS."""
+    if activation is None:
+        return "none"
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ConvArgumentError(f"activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}")
+    return activation
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def slope_bits(negative_slope) -> int:
+    """LeakyReLU's slope as the 32 bits of the float the kernels take (KgArgs.alpha): a real,
+    finite number within float32's range; ConvArgumentError otherwise."""
+    if isinstance(negative_slope, bool) or not isinstance(negative_slope, numbers.Real):
+        raise ConvArgumentError(f"negative_slope must be a finite float, got {negative_slope!r} "
+                                f"({type(negative_slope).__name__})")
+    slope = float(negative_slope)
+    if not math.isfinite(slope) or abs(slope) > _FLOAT32_MAX:
+        raise ConvArgumentError(f"negative_slope must be a finite float (within float32's range), got {slope!r}")
+    return struct.unpack("<I", struct.pack("<f", slope))[0]
+
+
+def check_residual(residual, input: torch.Tensor, call: Call) -> None:
+    """A call's `residual` (after check_call): None, or a tensor of exactly the output's shape,
+    dtype and device (any strides: the call hands the kernel a copy with the output's where they
+    differ)."""
+    if residual is None:
+        return
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"conv2d(): argument 'residual' must be Tensor or None, not {type(residual).__name__}")
+    out = [call.K, call.P, call.Q] if call.unbatched else [call.N, call.K, call.P, call.Q]
+    if list(residual.shape) != out:
+        raise ConvArgumentError(f"residual must have the output's shape {out}, but got residual of size "
+                                f"{_size(residual)}")
+    if residual.dtype != input.dtype:
+        raise ConvArgumentError(f"residual must have the output's dtype {input.dtype}, but got {residual.dtype}")
+    if residual.device != input.device:
+        raise ConvArgumentError(f"residual must be on the output's device {input.device}, but it is on "
+                                f"{residual.device}")
+    if residual.layout != torch.strided:
+        raise ConvArgumentError(f"kernelgen.conv2d needs dense (strided) tensors; residual has layout "
+                                f"{residual.layout}")
 
 
 def spec_params(input: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> dict:

@@ -15,13 +15,19 @@ no backward kernels, so the operator's backward is a second operator, `kernelgen
 that raises what an eager backward raises when it runs: a graph whose parameters require grad
 still compiles (its backward is traced then) and runs forward.
 
+A call with a fused epilogue (activation, residual) is the operator `kernelgen::conv2d_epilogue`,
+whose schema is conv2d's and the epilogue's three arguments, with the same implementations: a graph
+of plain calls holds `kernelgen::conv2d` with the schema it had before epilogues (a TorchScript
+node holds every input of its schema, so a longer one would change every traced graph).
+
 Eager calls that PyTorch's tools wrap or watch (FakeTensorMode, vmap, FlopCounterMode, the profiler,
-the TorchScript tracer, ONNX export) take the same operator (`route`), so each tool sees one op.
+the TorchScript tracer, ONNX export) take the same operators (`route`), so each tool sees one op.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 import operator
 import sys
 import threading
@@ -40,18 +46,37 @@ def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
               padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
               precision: Optional[str], family: Optional[str], tiles: Optional[str]) -> torch.Tensor:
     """The call, computed eagerly by kernelgen.conv2d (its output is always a new tensor)."""
+    return _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles)
+
+
+@torch.library.custom_op("kernelgen::conv2d_epilogue", mutates_args=())
+def conv2d_epilogue_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
+                       padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
+                       precision: Optional[str], family: Optional[str], tiles: Optional[str],
+                       activation: Optional[str], negative_slope: float,
+                       residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """A call with a fused epilogue, computed eagerly by kernelgen.conv2d."""
+    return _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
+                  activation, negative_slope, residual)
+
+
+def _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
+           activation=None, negative_slope=0.01, residual=None):
     from .functional import conv2d
 
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         return conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups, precision=precision,
-                      family=family, tiles=None if tiles is None else json.loads(tiles))
+                      family=family, tiles=None if tiles is None else json.loads(tiles), activation=activation,
+                      negative_slope=negative_slope, residual=residual)
     finally:
         _inside.depth -= 1
 
 
 @conv2d_op.register_fake
-def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles):
+@conv2d_epilogue_op.register_fake
+def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
+          activation=None, negative_slope=0.01, residual=None):
     """The output conv2d would return, from conv2d's own checks; no kernel is chosen or built."""
     from . import checks
     from .spec import ConvSpec
@@ -60,6 +85,10 @@ def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
     groups = checks.check_shapes(input, weight, bias, groups)
     params = checks.spec_params(input, weight, bias, stride, padding_mode or padding, dilation, groups)
     call = checks.check_call(input, weight, ConvSpec(**params), input.device.type)
+    checks.check_activation(activation)
+    if activation == "leaky_relu":
+        checks.slope_bits(negative_slope)
+    checks.check_residual(residual, input, call)
     shape = (call.K, call.P, call.Q) if call.unbatched else (call.N, call.K, call.P, call.Q)
     return torch.empty(shape, dtype=input.dtype, device=input.device,
                        memory_format=torch.channels_last if call.channels_last else torch.contiguous_format)
@@ -84,15 +113,18 @@ def _fake_backward(grad, input, weight, bias):
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
     ctx.has_bias = inputs[2] is not None
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, grad):
     input, weight, bias = ctx.saved_tensors
     grads = backward_op(grad, input, weight, bias if ctx.has_bias else None)
-    return (grads[0], grads[1], grads[2] if ctx.has_bias else None) + (None,) * 8
+    # (none for stride ... tiles and the epilogue's arguments: a residual's never comes, backward_op raises)
+    return (grads[0], grads[1], grads[2] if ctx.has_bias else None) + (None,) * (ctx.n_inputs - 3)
 
 
 conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+conv2d_epilogue_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _int(name: str, value) -> int:
@@ -108,22 +140,60 @@ def _ints(name: str, value) -> list[int]:
 
 
 def call(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
-         tiles: Mapping[str, int] | None) -> torch.Tensor:
+         tiles: Mapping[str, int] | None, activation: str | None = None, negative_slope: float = 0.01,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """conv2d's call through the operator, its arguments in the schema's forms (int lists; padding
     'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here.
 
-    Under ONNX export the call is F.conv2d instead: its semantics, which both exporters write as a
-    standard `Conv` (an ONNX file never runs kernelgen's kernels)."""
+    Under ONNX export the call is F.conv2d instead, then the epilogue as torch's own operators: its
+    semantics, which both exporters write as a standard `Conv` (and the activation's and `Add`'s
+    nodes; an ONNX file never runs kernelgen's kernels)."""
     if _onnx_exporting():
-        return torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
+        y = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
+        return epilogue(y, activation, negative_slope, residual)
     mode = padding if isinstance(padding, str) else None
-    return conv2d_op(input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding),
-                     mode, _ints("dilation", dilation), _int("groups", groups), precision, family,
-                     None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
+    args = (input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding), mode,
+            _ints("dilation", dilation), _int("groups", groups), precision, family,
+            None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
+    if activation is None and residual is None:
+        return conv2d_op(*args)
+    return conv2d_epilogue_op(*args, activation, _slope(activation, negative_slope), residual)
+
+
+def _slope(activation, value) -> float:
+    """negative_slope in the schema's form, a float: leaky_relu's (the operator's checks explain one
+    that is not finite), or a placeholder for the other activations, which ignore it."""
+    if activation != "leaky_relu":
+        return 0.01
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        from .checks import slope_bits  # (a warm start imports no validation module)
+
+        slope_bits(value)  # raises ConvArgumentError, naming the value
+    return float(value)
+
+
+def epilogue(y: torch.Tensor, activation: str | None, negative_slope: float = 0.01,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """activation(y + residual) by torch's own operators: the fused epilogue's semantics, as
+    torch.onnx.export records it."""
+    F = torch.nn.functional
+    if residual is not None:
+        y = y + residual
+    if activation is None:
+        return y
+    acts = {"relu": F.relu, "relu6": F.relu6, "silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish,
+            "hardsigmoid": F.hardsigmoid, "sigmoid": torch.sigmoid,
+            "leaky_relu": lambda t: F.leaky_relu(t, negative_slope)}
+    if activation not in acts:
+        from .checks import check_activation
+
+        check_activation(activation)
+    return acts[activation](y)
 
 
 def route(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
-          tiles: Mapping[str, int] | None) -> torch.Tensor | None:
+          tiles: Mapping[str, int] | None, activation: str | None = None, negative_slope: float = 0.01,
+          residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """An eager call that something wraps or watches, through the operator; None where the eager
     path should run it.
 
@@ -137,9 +207,11 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
     arguments that are not tensors, the eager path runs and explains.
     """
     if getattr(_inside, "depth", 0) or not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
-                                            and (bias is None or isinstance(bias, torch.Tensor))):
+                                            and (bias is None or isinstance(bias, torch.Tensor))
+                                            and (residual is None or isinstance(residual, torch.Tensor))):
         return None
-    return call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+    return call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, activation,
+                negative_slope, residual)
 
 
 @torch.compiler.assume_constant_result
@@ -153,28 +225,41 @@ def _onnx_exporting() -> bool:
 
 def _vmap(info, in_dims, input, weight, bias, *params):
     """torch.vmap over a call: a vmapped input (weight and bias shared) is one call whose batch is
-    the vmapped dimension times the input's own (or, for unbatched samples, the vmapped dimension);
-    a vmapped weight or bias is one call per sample, stacked (correct; as slow as a loop)."""
+    the vmapped dimension times the input's own (or, for unbatched samples, the vmapped dimension),
+    its residual (if any) folded the same way (a shared one repeated); a vmapped weight or bias, or
+    a vmapped residual with a shared input, is one call per sample, stacked (correct; as slow as a
+    loop)."""
     x_dim, w_dim, b_dim = in_dims[:3]
-    if w_dim is None and b_dim is None:
+    epilogue = len(params) > 8  # (conv2d_epilogue_op: activation, negative_slope, residual follow)
+    params, residual = params[:10], params[10] if epilogue else None
+    r_dim = in_dims[13] if epilogue else None
+
+    def op(x, w, b, r):
+        return conv2d_epilogue_op(x, w, b, *params, r) if epilogue else conv2d_op(x, w, b, *params)
+
+    if w_dim is None and b_dim is None and x_dim is not None:
         x = input.movedim(x_dim, 0)
+        r = None
+        if residual is not None:  # (vmapped, *the output's shape of one sample)
+            r = residual.movedim(r_dim, 0) if r_dim is not None else residual.expand(x.shape[0], *residual.shape)
         if x.dim() == 4:  # (vmapped, C, H, W): each sample an unbatched input
-            return conv2d_op(x, weight, bias, *params), 0
-        y = conv2d_op(x.flatten(0, 1), weight, bias, *params)
+            return op(x, weight, bias, r), 0
+        y = op(x.flatten(0, 1), weight, bias, None if r is None else r.flatten(0, 1))
         return y.unflatten(0, x.shape[:2]), 0
 
     def sample(t, dim, i):
         return t if t is None or dim is None else t.select(dim, i)
 
-    ys = [conv2d_op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), *params)
+    ys = [op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), sample(residual, r_dim, i))
           for i in range(info.batch_size)]
     return torch.stack(ys), 0
 
 
 conv2d_op.register_vmap(_vmap)
+conv2d_epilogue_op.register_vmap(_vmap)
 
 
-@register_flop_formula(torch.ops.kernelgen.conv2d)
+@register_flop_formula([torch.ops.kernelgen.conv2d, torch.ops.kernelgen.conv2d_epilogue])
 def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     """FlopCounterMode's count for a call: torch's own convolution formula (an unbatched call counts
     as a batch of one, as F.conv2d's aten.convolution sees it). Registered at import, since each

@@ -49,10 +49,10 @@ class Plan:
     """
 
     __slots__ = ("launch", "out_shape", "fmt", "squeeze", "prep", "w_asis", "b_contig", "args", "key", "ws", "sample",
-                 "range_name", "packed", "pack_once")
+                 "range_name", "packed", "pack_once", "r_asis")
 
     def __init__(self, launch, out_shape, fmt, squeeze, prep, w_asis, b_contig, args, key, ws=0, sample=None,
-                 range_name=None, packed=0, pack_once=True):
+                 range_name=None, packed=0, pack_once=True, r_asis=True):
         self.launch = launch  # None: nothing to compute (an empty batch, or meta tensors)
         self.out_shape = out_shape  # 4-D
         self.fmt = fmt
@@ -67,6 +67,7 @@ class Plan:
         self.range_name = range_name  # the launch's profiler range, naming its family (_profiled)
         self.packed = packed  # bytes of the kernel's packed weights (packs.py), 0 if it packs none
         self.pack_once = pack_once  # keep them with the weight (KERNELGEN_PACK_ONCE); else packed every call
+        self.r_asis = r_asis  # the residual (if any) lies with the output's strides; else it is copied so
 
 
 _plans: dict[Any, Plan] = {}
@@ -102,7 +103,8 @@ def planning_for(gpu: "str | Device", wide_dram: bool = False) -> Iterator[None]
 @contextlib.contextmanager
 def observe_meta_calls(callback: Callable[..., None]) -> Iterator[None]:
     """While active, call `callback(input, weight, bias, stride, padding, dilation, groups,
-    precision, family, tiles)` for every kernelgen.conv2d call on meta tensors.
+    precision, family, tiles, activation=..., residual=...)` for every kernelgen.conv2d call on
+    meta tensors.
 
     This is how `kernelgen warm --model` finds the convolutions of a model run on meta
     tensors, direct calls of kernelgen.conv2d included.
@@ -148,7 +150,8 @@ def _gpu(index: int) -> "Device":
 
 def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
            dilation=1, groups: int = 1, *, precision: str | None = None, family: str | None = None,
-           tiles: Mapping[str, int] | None = None) -> torch.Tensor:
+           tiles: Mapping[str, int] | None = None, activation: str | None = None, negative_slope: float = 0.01,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """2-D convolution with F.conv2d's semantics, computed by JIT-compiled kernelgen kernels.
 
     input: (N, C_in, H, W) or unbatched (C_in, H, W); any strides (channels_last too).
@@ -165,6 +168,14 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         (torch.backends.cudnn.conv.fp32_precision / allow_tf32); 'ieee' forces exact
         float32; 'tf32' allows TF32 tensor-core products.
     family, tiles: force a kernel family and (some of) its tile sizes.
+    activation, negative_slope, residual: a fused epilogue. The call returns
+        activation(conv2d(input, weight, bias) + residual), computed in the accumulator's
+        precision and rounded once to the output's dtype. activation: None or one of
+        kernelgen.ACTIVATIONS ('relu', 'relu6', 'leaky_relu', 'silu', 'gelu' (the exact erf form),
+        'hardswish', 'hardsigmoid', 'sigmoid'), with torch's semantics; negative_slope:
+        leaky_relu's slope, a finite float (ignored by the others; the kernels take it as a
+        float32). residual: None or a tensor of exactly the output's shape, dtype and device
+        (any strides).
 
     Autograd: the forward is differentiable-aware but kernelgen has no backward
     kernels yet; calling backward through it raises NotImplementedError.
@@ -175,18 +186,26 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if (device_type == "cuda" or device_type == "cpu") and torch.is_autocast_enabled(device_type):
         input, weight, bias = _autocast(device_type, input, weight, bias)
     if _compiling():  # torch.compile is tracing: the call becomes one operator of the graph
-        return compiled.call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+        return compiled.call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
+                             activation, negative_slope, residual)
     if (_dispatch_modes() or _functorch_level() is not None or _tracing_state() is not None
             or _profiler._is_profiler_enabled or input.__class__ is not _Tensor or weight.__class__ not in _PLAIN
-            or (bias is not None and bias.__class__ not in _PLAIN)):
-        y = compiled.route(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+            or (bias is not None and bias.__class__ not in _PLAIN)
+            or (residual is not None and residual.__class__ not in _PLAIN)):
+        y = compiled.route(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
+                           activation, negative_slope, residual)
         if y is not None:
             return y
-        if _profiler._is_profiler_enabled:  # inside the operator: the launch as a range naming its family
+        if _profiler._is_profiler_enabled and activation is None and residual is None:
+            # inside the operator: the launch as a range naming its family
             return _profiled(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
-            observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+            observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
+                    activation=activation, residual=residual)
+    if activation is not None or residual is not None:  # a fused epilogue (kept apart: plain calls pay nothing)
+        return _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
+                                activation, negative_slope, residual)
     if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias)):
         input, weight, bias = _resolve_neg(input, weight, bias)
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
@@ -222,6 +241,40 @@ def _new_plan(input, weight, bias, stride, padding, dilation, groups, precision,
     return plan
 
 
+_slopes: dict[float, int] = {}  # negative_slope -> its float32 bits (a small memo: slopes are few)
+
+
+def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
+                     activation, negative_slope, residual) -> torch.Tensor:
+    """conv2d with a fused epilogue (an activation, a residual): its plan is memoised under the
+    signature and the epilogue's (the activation's name, the residual's shape, strides, dtype and
+    device); the slope travels at run time."""
+    alpha = 0
+    if activation == "leaky_relu":
+        alpha = _slopes.get(negative_slope) if negative_slope.__class__ is float else None
+        if alpha is None:
+            from .checks import slope_bits
+
+            alpha = slope_bits(negative_slope)  # (explains a bad one, on every call: it is not in the signature)
+            if negative_slope.__class__ is float and len(_slopes) < 64:
+                _slopes[negative_slope] = alpha
+    if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias, residual)):
+        input, weight, bias, residual = _resolve_neg(input, weight, bias, residual)
+    sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, activation,
+                    residual)
+    plan = None if sig is None else _plans.get(sig)
+    if plan is None:
+        plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
+                          activation, residual)
+        if sig is not None:
+            _plans[sig] = plan
+    if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)
+                                    or (residual is not None and residual.requires_grad)):
+        return _no_backward().apply(plan, input, weight, bias, residual, alpha)
+    return _run(plan, input, weight, bias, residual=residual, alpha=alpha)
+
+
 def _resolve_neg(*tensors):
     """The tensors with any negative bit resolved (x.conj().imag, torch._neg_view store their values
     unnegated, and kernels read memory): negated copies, as torch's own kernels take them. Before
@@ -229,11 +282,23 @@ def _resolve_neg(*tensors):
     return tuple(t.resolve_neg() if isinstance(t, torch.Tensor) and t.is_neg() else t for t in tensors)
 
 
-def signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles) -> tuple | None:
+def signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, activation=None,
+              residual=None) -> tuple | None:
     """What a plan is memoised under: the tensors' shapes, strides, dtypes and devices, the
-    parameters and the float32 math the call resolves to. None where the arguments are not
-    tensors or not plain values (the full path explains what is wrong)."""
+    parameters and the float32 math the call resolves to; with an epilogue, its activation and
+    the residual's shape, strides, dtype and device too (a call without one keeps the signature
+    it had before epilogues). None where the arguments are not tensors or not plain values (the
+    full path explains what is wrong)."""
     try:
+        if activation is not None or residual is not None:
+            if activation is not None and activation.__class__ is not str:
+                return None
+            if residual is not None and residual.layout is not torch.strided:
+                return None
+            epi = (activation, None if residual is None else (residual.shape, residual.stride(), residual.dtype,
+                                                               residual.device))
+            base = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
+            return None if base is None else base + epi
         dtype = input.dtype
         if dtype is torch.float32:
             math = precision if precision is not None else torch_fp32_conv_math()
@@ -251,23 +316,26 @@ def signature(input, weight, bias, stride, padding, dilation, groups, precision,
 
 
 def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, device: str | None = None,
-             precision: str | None = None, family: str | None = None,
-             tiles: Mapping[str, int] | None = None) -> tuple["ConvSpec | None", "Call"]:
+             precision: str | None = None, family: str | None = None, tiles: Mapping[str, int] | None = None,
+             activation: str | None = None, residual=None) -> tuple["ConvSpec | None", "Call"]:
     """(spec, call): the kernel `conv2d` would compile for these arguments (untuned: the
     selector's first choice), and the call's sizes.
 
     The tensors may live on 'meta' (shapes and strides are all that is read); `device`
     ('cuda' or 'cpu') says which device to plan for, default the tensors'. The spec is
-    None when there is nothing to compute (an empty batch).
+    None when there is nothing to compute (an empty batch). `activation` and `residual` (a
+    tensor, on meta too) are conv2d's epilogue.
     """
     specs, call = candidates_for(input, weight, bias, stride, padding, dilation, groups, device=device,
-                                 precision=precision, family=family, tiles=tiles)
+                                 precision=precision, family=family, tiles=tiles, activation=activation,
+                                 residual=residual)
     return (specs[0] if specs else None), call
 
 
 def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
                    device: str | None = None, precision: str | None = None, family: str | None = None,
-                   tiles: Mapping[str, int] | None = None, every: bool = False) -> tuple[list["ConvSpec"], "Call"]:
+                   tiles: Mapping[str, int] | None = None, every: bool = False, activation: str | None = None,
+                   residual=None) -> tuple[list["ConvSpec"], "Call"]:
     """(specs, call): what the families can run for these arguments, the selector's ranking of
     their first choices first, then (with `every`) each family's other configurations in the
     same order of families; and the call's sizes. Empty where there is nothing to compute.
@@ -283,13 +351,17 @@ def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, gr
     probe = ConvSpec(**params)  # validates the parameters; family/tiles are chosen below
     device = device or input.device.type
     call = checks.check_call(input, weight, probe, device)
+    params["activation"] = checks.check_activation(activation)
+    checks.check_residual(residual, input, call)
+    params["residual"] = residual is not None
     if call.N == 0 or device == "meta":
         return [], call
     sample = select.sampled_1x1(probe, device, call.channels_last) if family is None else None
     if sample is not None:  # the stride-1 layer of the pixels the strided one reads (a view, no copy)
         view = input[..., ::sample[0], ::sample[1]]
         specs, vcall = candidates_for(view, weight, bias, 1, 0, dilation, groups, device=device,
-                                      precision=precision, tiles=tiles, every=every)
+                                      precision=precision, tiles=tiles, every=every, activation=activation,
+                                      residual=residual)
         if vcall.channels_last == call.channels_last:  # (a degenerate view could look channels_last)
             return specs, dataclasses.replace(vcall, sample=sample)
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
@@ -332,7 +404,8 @@ def _record_name(sig: tuple, input: torch.Tensor) -> str:
     return plans.record_name(_signature_json(sig, "cpu"), "cpu", "cpu")
 
 
-def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig) -> Plan:
+def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
+               activation=None, residual=None) -> Plan:
     device = input.device.type if isinstance(input, torch.Tensor) else None
     record_name, record = None, None
     if sig is not None and device in ("cuda", "cpu") and input.numel() > 0:
@@ -344,14 +417,15 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
             try:
                 launch = load_entry(record["key"], cache, expect=_runtime_fields(device, arch))
                 if launch is not None and plans.fits(record, entry_spec(record["key"]), input, weight, bias, stride,
-                                                     padding, dilation, groups):
+                                                     padding, dilation, groups, activation, residual):
                     log.debug("plan for conv2d(input %s, weight %s): %s (from its plan record)",
                               tuple(input.shape), tuple(weight.shape), record.get("summary"))
-                    return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias)
+                    return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias,
+                                 residual)
             except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
                 record = None
     spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
-                          family=family, tiles=tiles)
+                          family=family, tiles=tiles, activation=activation, residual=residual)
     if spec is None:  # nothing to compute (an empty batch, meta tensors): F.conv2d returns NCHW there
         return _plan(None, None, _call_fields(dataclasses.replace(call, channels_last=False)), "any", input,
                      weight, bias)
@@ -362,12 +436,13 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
           and not (device == "cuda" and torch.cuda.is_current_stream_capturing())):
         from .tuner import tune  # KERNELGEN_TUNE: measure the candidates now; tune writes the record
 
-        tune(input, weight, bias, stride, padding, dilation, groups, precision=precision)
+        tune(input, weight, bias, stride, padding, dilation, groups, precision=precision, activation=activation,
+             residual=residual)
         record = plans.read(_default_cache().root, record_name)
         tuned = _tuned_spec(record, spec, input)
         spec = tuned or spec
     return _build_plan(spec, call, input, weight, bias, stride, padding, dilation, groups, precision, family,
-                       record_name, record if tuned is not None else None)
+                       record_name, record if tuned is not None else None, activation, residual)
 
 
 def _tuned_spec(record: dict | None, untuned: "ConvSpec", input: torch.Tensor) -> "ConvSpec | None":
@@ -382,7 +457,7 @@ def _tuned_spec(record: dict | None, untuned: "ConvSpec", input: torch.Tensor) -
     try:
         spec = ConvSpec.from_dict(json.loads(record["tuned"]["spec"]))
         same = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "dtype",
-                "bias", "device")
+                "bias", "device", "activation", "residual")
         if any(getattr(spec, f) != getattr(untuned, f) for f in same):
             return None
         get_family(spec.family).check(spec, _gpu(input.device.index) if input.is_cuda else None)
@@ -392,7 +467,7 @@ def _tuned_spec(record: dict | None, untuned: "ConvSpec", input: torch.Tensor) -
 
 
 def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, groups, precision, family,
-                record_name, tuned_record) -> Plan:
+                record_name, tuned_record, activation=None, residual=None) -> Plan:
     """Load or build `spec`'s kernel, record the plan (keeping a tuned record's measurements) and
     return it."""
     from .errors import CompileError
@@ -414,7 +489,7 @@ def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, grou
         count("fallbacks")
         fell_back = True
         spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
-                              family="direct")
+                              family="direct", activation=activation, residual=residual)
         launch, key = load_kernel(spec, toolchain)
     why = ("forced by the call" if family is not None else "the direct family, after the chosen one failed to build"
            if fell_back else "measured fastest on this GPU" if tuned_record is not None else "the selector's choice")
@@ -428,7 +503,7 @@ def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, grou
         if tuned_record is not None:
             record["tuned"] = tuned_record["tuned"]
         plans.write(cache.root, record_name, record)
-    return _plan(launch, key, call_fields, prep, input, weight, bias)
+    return _plan(launch, key, call_fields, prep, input, weight, bias, residual)
 
 
 _compiled_before = False  # whether this process has compiled a kernel for a call yet
@@ -537,7 +612,7 @@ def _weight_strides(weight: torch.Tensor) -> tuple[bool, tuple[int, ...]]:
     return False, _contiguous_strides(weight.shape)
 
 
-def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
+def _plan(launch, key, call_fields, layout, input, weight, bias, residual=None) -> Plan:
     """Precompute a plan's launch arguments from the call's sizes and the tensors' strides."""
     unbatched, N, K, P, Q, H, W, channels_last, sample = call_fields
     fmt = _CL if channels_last else _CF
@@ -552,15 +627,21 @@ def _plan(launch, key, call_fields, layout, input, weight, bias) -> Plan:
     w_asis, wst = _weight_strides(weight)
     dev = input.device.index if input.is_cuda else -1
     family = (entry_spec(key) or {}).get("family", "unknown")
+    # The kernel reads the residual at the output's offsets: as it lies where its strides are the
+    # output's (a dimension of one element excepted), else a copy that has them (_run).
+    r_asis = residual is None or all(
+        n == 1 or s == t for n, s, t in zip((N, K, P, Q), (residual.unsqueeze(0) if unbatched else residual).stride(),
+                                            ys))
     return Plan(launch, (N, K, P, Q), fmt, unbatched, prep, w_asis,
                 bias is None or bias.is_contiguous(), (N, H, W, P, Q, *xs, *ys, *wst, dev), key,
                 workspace_bytes(key, input.numel(), N * K * P * Q), sample, f"kernelgen::conv2d[{family}]",
-                packed_bytes(key), config.pack_once())
+                packed_bytes(key), config.pack_once(), r_asis)
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch `plan` on the call's tensors; into `out` (of the plan's shape and format) where given."""
+         out: torch.Tensor | None = None, residual: torch.Tensor | None = None, alpha: int = 0) -> torch.Tensor:
+    """Launch `plan` on the call's tensors; into `out` (of the plan's shape and format) where given.
+    `residual` and `alpha` (a float's 32 bits): the epilogue's, for a plan whose kernel has one."""
     y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt) \
         if out is None else out
     if plan.launch is not None:
@@ -576,6 +657,9 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         # (each copy stays bound to a name until the launch: a temporary freed before it could be
         # handed to the workspace below, or reused by the host's heap, and read as the bias)
         b = bias if bias is None or plan.b_contig else bias.contiguous()
+        r = residual
+        if r is not None and not plan.r_asis:  # a copy with the output's strides
+            r = torch.empty_like(y).copy_(r.unsqueeze(0) if plan.squeeze else r)
         if input.is_cuda:
             dev = plan.args[-1]
             stream = _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
@@ -590,7 +674,7 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             wp = pack.buf if pack is not None else torch.empty(plan.packed, dtype=torch.uint8, device=input.device)
         did_pack = plan.launch(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), *plan.args,
                                stream, 0 if ws is None else ws.data_ptr(), 0 if wp is None else wp.data_ptr(), ready,
-                               0, 0)
+                               0 if r is None else r.data_ptr(), alpha)
         if did_pack and pack is not None:
             packs.packed(pack, weight, stream)
     return y.squeeze(0) if plan.squeeze else y
@@ -612,8 +696,8 @@ def _no_backward() -> type:
 
     class _NoBackward(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, plan, input, weight, bias):  # type: ignore[override]
-            return _run(plan, input, weight, bias)
+        def forward(ctx, plan, input, weight, bias, residual=None, alpha=0):  # type: ignore[override]
+            return _run(plan, input, weight, bias, residual=residual, alpha=alpha)
 
         @staticmethod
         def backward(ctx, grad):  # type: ignore[override]

@@ -162,7 +162,8 @@ def _pads(padding, kernel, dilation) -> tuple[int, int, int, int]:
     return (ph, ph, pw, pw)
 
 
-def fits(record: dict, spec: dict | None, input, weight, bias, stride, padding, dilation, groups) -> bool:
+def fits(record: dict, spec: dict | None, input, weight, bias, stride, padding, dilation, groups, activation=None,
+         residual=None) -> bool:
     """Whether a plan record read from disk, and the spec of the entry it names (its manifest's, as
     JSON values), describe this very call: its sizes, parameters, dtype, device and output format.
 
@@ -199,12 +200,19 @@ def fits(record: dict, spec: dict | None, input, weight, bias, stride, padding, 
                 "device": input.device.type}
         if any(spec.get(f) != v for f, v in want.items()) or c != cg * want["groups"]:
             return False
+        # the epilogue (fields a spec without one leaves out) and the residual it reads
+        if spec.get("activation", "none") != (activation or "none") or spec.get("residual", False) != (
+                residual is not None):
+            return False
         if bias is not None and tuple(bias.shape) != (k,) or weight.dtype != input.dtype:
             return False
         p = (h + pads[0] + pads[1] - d[0] * (kh - 1) - 1) // s[0] + 1
         q = (w + pads[2] + pads[3] - d[1] * (kw - 1) - 1) // s[1] + 1
         cl = ((is_channels_last(input.unsqueeze(0) if unbatched else input) or is_channels_last(weight))
               and not (input.is_cuda and want["dtype"] == "float64"))
+        if residual is not None and (tuple(residual.shape) != ((k, p, q) if unbatched else (n, k, p, q))
+                                     or residual.dtype != input.dtype or residual.device != input.device):
+            return False
         return (N, K, P, Q, H, W, channels_last) == (n, k, p, q, h, w, cl) and min(n, p, q) > 0
     except (KeyError, TypeError, ValueError, AttributeError):
         return False

@@ -24,6 +24,9 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cuda", "cpu")
 LAYOUTS = ("any", "nchw", "nhwc")
 MATHS = ("ieee", "tf32")
+# The activations a kernel's epilogue applies after the bias and the residual (torch's semantics:
+# gelu is F.gelu's exact erf form, leaky_relu takes its slope at run time, as KgArgs.alpha).
+ACTIVATIONS = ("relu", "relu6", "leaky_relu", "silu", "gelu", "hardswish", "hardsigmoid", "sigmoid")
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SCALAR_T = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "float64": "double"}
@@ -149,6 +152,9 @@ class ConvSpec:
     math: 'ieee' (exact float32 or wider) or 'tf32' (TF32 tensor-core products).
     family: the template family (see kernelgen.families).
     tiles: the family's tile parameters (name -> value); unnamed ones take their first allowed value.
+    activation: the epilogue's activation, 'none' or one of ACTIVATIONS (None means 'none').
+    residual: whether the epilogue adds a residual tensor of the output's shape (before the
+        activation, after the bias): y = activation(conv + bias + residual), rounded once.
     """
 
     in_channels: int
@@ -165,6 +171,8 @@ class ConvSpec:
     math: str = "ieee"
     family: str = "direct"
     tiles: Any = field(default_factory=tuple)
+    activation: Any = "none"
+    residual: bool = False
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -214,6 +222,12 @@ class ConvSpec:
             raise ConvArgumentError(f"math='tf32' applies to float32 only, not {self.dtype}")
         if not isinstance(self.bias, bool):
             raise TypeError(f"bias must be True or False, got {self.bias!r}")
+        if self.activation is None:
+            put("activation", "none")
+        if not isinstance(self.activation, str) or self.activation not in ("none",) + ACTIVATIONS:
+            raise ConvArgumentError(f"activation must be None or one of {list(ACTIVATIONS)}, got {self.activation!r}")
+        if not isinstance(self.residual, bool):
+            raise TypeError(f"residual must be True or False, got {self.residual!r}")
 
         from .families import get_family  # the registry imports this module's types only
 
@@ -237,6 +251,11 @@ class ConvSpec:
 
     # -- derived values ---------------------------------------------------------------
     @property
+    def epilogue(self) -> bool:
+        """Whether the kernel applies anything after the bias (an activation, a residual)."""
+        return self.activation != "none" or self.residual
+
+    @property
     def cin_per_group(self) -> int:
         return self.in_channels // self.groups
 
@@ -256,6 +275,11 @@ class ConvSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["tiles"] = dict(self.tiles)
+        # The epilogue's fields are left out at their defaults: a spec without one keeps the JSON,
+        # and so the cache key, it had before they existed.
+        for name, default in _LATER_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     def to_json(self) -> str:
@@ -284,7 +308,8 @@ class ConvSpec:
         tiles = ",".join(f"{k}={v}" for k, v in self.tiles)
         return (f"{self.family}[{tiles}] {self.device} {self.dtype}/{self.math} {self.layout} "
                 f"{self.in_channels}->{self.out_channels} g{self.groups} k{kh}x{kw} s{sh}x{sw} "
-                f"p{','.join(map(str, self.padding))} d{dh}x{dw}{' +bias' if self.bias else ''}")
+                f"p{','.join(map(str, self.padding))} d{dh}x{dw}{' +bias' if self.bias else ''}"
+                f"{' +residual' if self.residual else ''}{' +' + self.activation if self.activation != 'none' else ''}")
 
     def template_context(self) -> dict[str, Any]:
         """UPPERCASE compile-time constants: only validated ints, bools and enum members."""
@@ -299,6 +324,8 @@ class ConvSpec:
             "KH": kh, "KW": kw, "SH": sh, "SW": sw, "DH": dh, "DW": dw,
             "PH": self.padding[0], "PW": self.padding[2],
             "HAS_BIAS": self.bias, "LAYOUT": self.layout,
+            # the epilogue (templates/common/epilogue.cuh.j2): ACT a member of ACTIVATIONS or 'none'
+            "ACT": self.activation, "HAS_RESIDUAL": self.residual, "EPILOGUE": self.epilogue,
             "WORKSPACE_BYTES": 0,  # a family that needs device scratch memory says how much,
             "WORKSPACE_PER_INPUT": 0,  # and how many bytes more for each element of the input
             "WORKSPACE_PER_OUTPUT": 0,  # and of the output
@@ -307,6 +334,10 @@ class ConvSpec:
         ctx.update({name.upper(): value for name, value in self.tiles})
         ctx.update(get_family(self.family).context(self))
         return ctx
+
+
+# Fields added after specs were first keyed, with the defaults to_dict leaves out.
+_LATER_DEFAULTS = {"activation": "none", "residual": False}
 
 
 def _canonical_tiles(family: str, space: Mapping[str, tuple[int, ...]], tiles: Any) -> tuple[tuple[str, int], ...]:

@@ -59,18 +59,22 @@ class TuneResult:
 
 def tune(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
          dilation=1, groups=1, *, precision: str | None = None, top: int | None = None,
-         jobs: int | None = None) -> TuneResult:
-    """Tune one kernelgen.conv2d call (F.conv2d's arguments, on CUDA tensors of the real sizes):
-    the fastest accurate of its `top` candidates (KERNELGEN_TUNE_TOP, default 4) becomes what
-    kernelgen.conv2d runs for it, in this process and in later ones (the plan record)."""
+         jobs: int | None = None, activation: str | None = None, negative_slope: float = 0.01,
+         residual: torch.Tensor | None = None) -> TuneResult:
+    """Tune one kernelgen.conv2d call (F.conv2d's arguments, on CUDA tensors of the real sizes, and
+    conv2d's fused epilogue if any): the fastest accurate of its `top` candidates
+    (KERNELGEN_TUNE_TOP, default 4) becomes what kernelgen.conv2d runs for it, in this process and
+    in later ones (the plan record)."""
     return tune_calls([dict(input=input, weight=weight, bias=bias, stride=stride, padding=padding,
-                            dilation=dilation, groups=groups, precision=precision)], top=top, jobs=jobs)[0]
+                            dilation=dilation, groups=groups, precision=precision, activation=activation,
+                            negative_slope=negative_slope, residual=residual)], top=top, jobs=jobs)[0]
 
 
 def tune_calls(calls: Sequence[Mapping[str, Any]], top: int | None = None, jobs: int | None = None) -> list[TuneResult]:
     """Tune many calls: each a mapping of kernelgen.conv2d's arguments (input, weight, bias,
-    stride, padding, dilation, groups, precision). Every call's candidates are built first, all in
-    parallel (`jobs` workers, default KERNELGEN_JOBS), then each call is timed in turn."""
+    stride, padding, dilation, groups, precision; activation, negative_slope, residual). Every
+    call's candidates are built first, all in parallel (`jobs` workers, default KERNELGEN_JOBS),
+    then each call is timed in turn."""
     from . import functional
     from .warm import warm_specs
 
@@ -81,7 +85,7 @@ def tune_calls(calls: Sequence[Mapping[str, Any]], top: int | None = None, jobs:
     plans = []
     for c in calls:
         args = _args(c)
-        specs, call = functional.candidates_for(**args, every=True)
+        specs, call = functional.candidates_for(**_planned(args), every=True)
         plans.append((args, _pick(specs, top), call))
     todo = [s for _, picked, _ in plans for s in picked]
     built = {}
@@ -100,12 +104,31 @@ def tune_calls(calls: Sequence[Mapping[str, Any]], top: int | None = None, jobs:
 
 
 def _args(c: Mapping[str, Any]) -> dict:
-    known = ("input", "weight", "bias", "stride", "padding", "dilation", "groups", "precision")
+    known = ("input", "weight", "bias", "stride", "padding", "dilation", "groups", "precision", "activation",
+             "negative_slope", "residual")
     unknown = sorted(set(c) - set(known))
     if unknown:
         raise TypeError(f"tune_calls: unknown argument(s) {unknown}; a call takes {list(known)}")
-    return {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1, "precision": None,
-            **{k: c[k] for k in known if k in c}}
+    args = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1, "precision": None,
+            "activation": None, "negative_slope": 0.01, "residual": None, **{k: c[k] for k in known if k in c}}
+    if args["activation"] == "leaky_relu":
+        from .checks import slope_bits
+
+        slope_bits(args["negative_slope"])  # (a bad slope is explained before anything builds)
+    return args
+
+
+def _planned(args: dict) -> dict:
+    """A call's arguments as functional.candidates_for and spec_for take them (no slope: it is not
+    part of the kernel)."""
+    return {k: v for k, v in args.items() if k != "negative_slope"}
+
+
+def _alpha(args: dict) -> int:
+    """The slope's bits the kernels take (functional._run's alpha)."""
+    from .checks import slope_bits
+
+    return slope_bits(args["negative_slope"]) if args["activation"] == "leaky_relu" else 0
 
 
 def _pick(specs: list, top: int) -> list:
@@ -138,7 +161,7 @@ def measure(args: dict, specs: list, call, built: Mapping) -> list[tuple]:
     from . import functional
     from .kernels import load_entry
 
-    x, w, b = args["input"], args["weight"], args["bias"]
+    x, w, b, res, alpha = args["input"], args["weight"], args["bias"], args["residual"], _alpha(args)
     ref, bound = _reference(args)
     notes, runs = {}, []
     for spec in specs:
@@ -147,13 +170,15 @@ def measure(args: dict, specs: list, call, built: Mapping) -> list[tuple]:
         if launch is None:
             notes[spec] = f"build failed: {r.message[:300] if r else 'not built'}"
             continue
-        plan = functional._plan(launch, r.key, functional._call_fields(call), functional._prep_name(spec), x, w, b)
-        err = _error(plan, x, w, b, ref)
+        plan = functional._plan(launch, r.key, functional._call_fields(call), functional._prep_name(spec), x, w, b,
+                                res)
+        err = _error(plan, x, w, b, ref, res, alpha)
         if not err <= bound:  # (NaN too)
             notes[spec] = f"inaccurate: relative error {err:.2e} > {bound:.2e}"
             continue
         runs.append((spec, plan))
-    times = dict(zip((s for s, _ in runs), _stream_us([lambda p=p: functional._run(p, x, w, b) for _, p in runs],
+    times = dict(zip((s for s, _ in runs), _stream_us([lambda p=p: functional._run(p, x, w, b, residual=res,
+                                                                                    alpha=alpha) for _, p in runs],
                                                       cuda=x.is_cuda)))
     packs.drop(w, [plan.key for _, plan in runs])  # (the candidates' packed weights: the call packs its own)
     count("tune_timings", len(runs))
@@ -161,26 +186,36 @@ def measure(args: dict, specs: list, call, built: Mapping) -> list[tuple]:
 
 
 def _reference(args: dict) -> tuple[torch.Tensor, float]:
-    """(F.conv2d in float64 on the first two images, the relative error a candidate may have):
-    PERF.md's rules, 1e-5 for exact float32; for TF32 1.5x the larger of F.conv2d's own and the
-    exact convolution of TF32-rounded operands; for 16-bit 1.5x F.conv2d's own."""
+    """(F.conv2d in float64 on the first two images, its epilogue too, the relative error a
+    candidate may have): PERF.md's rules, 1e-5 for exact float32; for TF32 1.5x the larger of
+    F.conv2d's own and the exact convolution of TF32-rounded operands; for 16-bit 1.5x F.conv2d's
+    own (torch's epilogue after it, in the call's dtype)."""
     import torch.nn.functional as F
 
+    from .compiled import epilogue
     from .precision import fp32_math
 
     x, w, b = args["input"], args["weight"], args["bias"]
     kw = dict(stride=args["stride"], padding=args["padding"], dilation=args["dilation"], groups=args["groups"])
     xs = x[:2] if x.dim() == 4 else x
-    ref = F.conv2d(xs.double(), w.double(), None if b is None else b.double(), **kw)
+    res = args["residual"]
+    if res is not None and x.dim() == 4:
+        res = res[:2]
+
+    def finish(y):  # (float64: the slope as the kernels take it, a float32)
+        slope = float(torch.tensor(args["negative_slope"], dtype=torch.float32))
+        return epilogue(y, args["activation"], slope, None if res is None else res.to(y.dtype))
+
+    ref = finish(F.conv2d(xs.double(), w.double(), None if b is None else b.double(), **kw))
     if x.dtype == torch.float64:
         return ref, 1e-12
     if x.dtype == torch.float32:
         if fp32_math(args["precision"]) == "ieee":
             return ref, 1e-5
         r = lambda t: None if t is None else _tf32(t).double()  # noqa: E731
-        own = _rel(F.conv2d(xs, w, b, **kw), ref)
-        return ref, 1.5 * max(own, _rel(F.conv2d(r(xs), r(w), r(b), **kw), ref))
-    return ref, 1.5 * _rel(F.conv2d(xs, w, b, **kw), ref)
+        own = _rel(finish(F.conv2d(xs, w, b, **kw)), ref)
+        return ref, 1.5 * max(own, _rel(finish(F.conv2d(r(xs), r(w), r(b), **kw)), ref))
+    return ref, 1.5 * _rel(finish(F.conv2d(xs, w, b, **kw)), ref)
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:
@@ -194,14 +229,14 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-def _error(plan, x, w, b, ref) -> float:
+def _error(plan, x, w, b, ref, residual=None, alpha=0) -> float:
     """The candidate's relative error against `ref`, run into an output full of NaN, so that an
     element it does not write fails."""
     from . import functional
 
     out = torch.full(plan.out_shape, float("nan"), dtype=x.dtype, device=x.device).contiguous(
         memory_format=plan.fmt)
-    y = functional._run(plan, x, w, b, out=out)
+    y = functional._run(plan, x, w, b, out=out, residual=residual, alpha=alpha)
     if y.dim() == 4:
         y = y[:ref.shape[0]]
     return _rel(y, ref) if bool(torch.isfinite(y).all()) else math.inf
@@ -247,7 +282,7 @@ def _remember(args: dict, spec, timings: list) -> None:
 
     x = args["input"]
     sig = functional.signature(x, args["weight"], args["bias"], args["stride"], args["padding"], args["dilation"],
-                               args["groups"], args["precision"], None, None)
+                               args["groups"], args["precision"], None, None, args["activation"], args["residual"])
     if sig is None:
         return
     functional._plans.pop(sig, None)
@@ -256,7 +291,7 @@ def _remember(args: dict, spec, timings: list) -> None:
         return
     toolchain = current("cuda", functional._gpu(x.device.index).arch) if x.is_cuda else current("cpu")
     _, key = load_kernel(spec, toolchain)
-    _, call = functional.spec_for(**args)
+    _, call = functional.spec_for(**_planned(args))
     record = {"key": key, "call": functional._call_fields(call), "prep": functional._prep_name(spec),
               "summary": spec.summary(),
               "tuned": {"spec": spec.to_json(), "us": {s: t for s, t, _ in timings},

@@ -10,7 +10,9 @@ there is one; stride, dilation: int or [h, w]; padding: int, [h, w], "same" or "
 groups: int; dtype: float32, float16, bfloat16, float64; device: "cuda" or "cpu".
 Optional: precision ("ieee" or "tf32", float32 only; default: torch's setting, as
 conv2d follows it), memory_format ("contiguous" or "channels_last"), family and tiles
-(force a kernel family and some of its tile sizes, as conv2d's keywords do).
+(force a kernel family and some of its tile sizes, as conv2d's keywords do), activation (one
+of kernelgen.ACTIVATIONS) and residual (true: a residual of the output's shape), conv2d's fused
+epilogue.
 
 A record becomes a spec through `functional.spec_for` on meta tensors, so the spec is
 exactly what `kernelgen.conv2d` would compile for that call, the selector's choice of
@@ -44,7 +46,7 @@ from .spec import DTYPES, ConvSpec, canonical_dtype
 from .toolchain import Toolchain
 
 RECORD_FIELDS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups", "dtype", "device",
-                 "precision", "memory_format", "family", "tiles")
+                 "precision", "memory_format", "family", "tiles", "activation", "residual")
 MEMORY_FORMATS = ("contiguous", "channels_last")
 STATUSES = ("built", "cached", "failed")
 
@@ -165,6 +167,12 @@ def parse_record(record: Any, origin: str = "<record>", default_device: str = "c
     if tiles is not None and (not isinstance(tiles, Mapping) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in tiles.values())):
         raise RecordError(origin, f"expected an object of tile name -> int, got {json.dumps(tiles)}", "tiles")
+    activation = record.get("activation")
+    if activation is not None and not isinstance(activation, str):
+        raise RecordError(origin, f"expected an activation's name, got {json.dumps(activation)}", "activation")
+    residual = record.get("residual", False)
+    if not isinstance(residual, bool):
+        raise RecordError(origin, f"expected true or false, got {json.dumps(residual)}", "residual")
     if w_shape[0] == 0 or w_shape[1] == 0:
         raise RecordError(origin, f"a convolution needs at least one input and one output channel, "
                                   f"got weight {list(w_shape)}", "weight")
@@ -176,11 +184,29 @@ def parse_record(record: Any, origin: str = "<record>", default_device: str = "c
     w = torch.empty(w_shape, dtype=tdtype, device="meta")
     b = torch.empty((w_shape[0],), dtype=tdtype, device="meta") if bias else None
     try:
+        r = _residual(x, w, b, stride, padding, dilation, groups) if residual else None
         spec, _call = spec_for(x, w, b, stride, padding, dilation, groups, device=device, precision=precision,
-                               family=family, tiles=dict(tiles) if tiles else None)
+                               family=family, tiles=dict(tiles) if tiles else None, activation=activation,
+                               residual=r)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise RecordError(origin, f"impossible convolution: {exc}", _field_named(str(exc))) from None
     return spec
+
+
+def _residual(x, w, b, stride, padding, dilation, groups, device: str = "meta", generator=None):
+    """A residual for the call (an epilogue's): the output's shape, dtype and format, on `device`
+    (random, from `generator`, where that is not meta)."""
+    import torch
+
+    from .functional import spec_for
+
+    # (the output's sizes as conv2d's checks compute them: planned for meta, nothing is chosen or built)
+    meta = lambda t: None if t is None else t.to("meta")  # noqa: E731
+    _, call = spec_for(meta(x), meta(w), meta(b), stride, padding, dilation, groups, device="meta")
+    shape = (call.K, call.P, call.Q) if call.unbatched else (call.N, call.K, call.P, call.Q)
+    if device == "meta":
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+    return torch.randn(*shape, generator=generator).to(device=device, dtype=x.dtype)
 
 
 def _check_shapes(origin: str, in_shape: tuple[int, ...], w_shape: tuple[int, ...], groups: int) -> None:
@@ -306,7 +332,8 @@ class Found:
     record: dict = field(default_factory=dict)
 
 
-def call_record(x, w, b, stride, padding, dilation, groups, precision, device: str) -> dict:
+def call_record(x, w, b, stride, padding, dilation, groups, precision, device: str, activation=None,
+                residual=None) -> dict:
     """A record (this module's docstring) of the call these (meta) tensors and arguments make."""
     from .checks import is_channels_last
 
@@ -317,6 +344,10 @@ def call_record(x, w, b, stride, padding, dilation, groups, precision, device: s
            "memory_format": "channels_last" if is_channels_last(x) else "contiguous"}
     if precision is not None:
         rec["precision"] = precision
+    if activation is not None:
+        rec["activation"] = activation
+    if residual is not None:
+        rec["residual"] = True
     return rec
 
 
@@ -333,9 +364,15 @@ def record_tensors(record: Mapping[str, Any], device: str, seed: int = 0) -> dic
     w = torch.randn(*record["weight"], generator=g).to(device=device, dtype=dtype)
     b = torch.randn(record["weight"][0], generator=g).to(device=device, dtype=dtype) if record.get("bias") else None
     pair = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731
-    return {"input": x, "weight": w, "bias": b, "stride": pair(record.get("stride", 1)),
+    args = {"input": x, "weight": w, "bias": b, "stride": pair(record.get("stride", 1)),
             "padding": pair(record.get("padding", 0)), "dilation": pair(record.get("dilation", 1)),
             "groups": record.get("groups", 1), "precision": record.get("precision")}
+    if record.get("activation") is not None:
+        args["activation"] = record["activation"]
+    if record.get("residual"):
+        args["residual"] = _residual(x, w, b, args["stride"], args["padding"], args["dilation"], args["groups"],
+                                     device=device, generator=g)
+    return args
 
 
 def find_model_calls(model, input_shapes: Sequence[Sequence[int]], device: str, dtype: Any = "float32",
@@ -360,15 +397,18 @@ def find_model_calls(model, input_shapes: Sequence[Sequence[int]], device: str, 
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
     current: list[str] = []  # the module whose forward is running, for the report
 
-    def record(x, w, b, stride, padding, dilation, groups, prec, where):
-        spec, _ = spec_for(x, w, b, stride, padding, dilation, groups, device=device, precision=prec)
+    def record(x, w, b, stride, padding, dilation, groups, prec, where, activation=None, residual=None):
+        spec, _ = spec_for(x, w, b, stride, padding, dilation, groups, device=device, precision=prec,
+                           activation=activation, residual=residual)
         if spec is not None:
             found.append(Found(spec=spec, where=f"{origin}: {where}",
-                               record=call_record(x, w, b, stride, padding, dilation, groups, prec, device)))
+                               record=call_record(x, w, b, stride, padding, dilation, groups, prec, device,
+                                                  activation, residual)))
 
-    def on_kernelgen_call(x, w, b, stride, padding, dilation, groups, prec, family, tiles):
+    def on_kernelgen_call(x, w, b, stride, padding, dilation, groups, prec, family, tiles, activation=None,
+                          residual=None):
         record(x, w, b, stride, padding, dilation, groups, prec if prec is not None else precision,
-               current[-1] if current else "kernelgen.conv2d")
+               current[-1] if current else "kernelgen.conv2d", activation, residual)
 
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

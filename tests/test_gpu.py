@@ -61,12 +61,18 @@ class Case:
     W: int
     family: str | None
     tiles: tuple = ()  # (name, value) pairs forced over the family's defaults
+    # the fused epilogue: an activation (kernelgen.ACTIVATIONS) and a residual, made (make_residual)
+    # with the output's strides ('out'), the other memory format's ('other'), or as a strided view
+    activation: str | None = None
+    residual: str | None = None
 
     def __str__(self) -> str:
+        epilogue = (f" epilogue={self.activation or ''}{'+residual(' + self.residual + ')' if self.residual else ''}"
+                    if self.activation or self.residual else "")
         return (f"#{self.idx} N{self.N} {self.C}->{self.K} g{self.groups} k{self.kernel} s{self.stride} "
                 f"p{self.padding} d{self.dilation} {self.dtype}/{self.precision} {self.layout} {self.H}x{self.W}"
                 f"{' bias' if self.bias else ''}{' family=' + self.family if self.family else ''}"
-                f"{' ' + ','.join(f'{k}={v}' for k, v in self.tiles) if self.tiles else ''}")
+                f"{' ' + ','.join(f'{k}={v}' for k, v in self.tiles) if self.tiles else ''}{epilogue}")
 
 
 def _extent(kernel: tuple, dilation: tuple) -> tuple:
@@ -1162,6 +1168,44 @@ def conv_kwargs(case: Case) -> dict:
     return dict(stride=case.stride, padding=case.padding, dilation=case.dilation, groups=case.groups)
 
 
+def slope(case: Case) -> float:
+    """leaky_relu's slope for a case: torch's default, or for float64 one that a float32 holds
+    exactly (the kernels take the slope as a float32)."""
+    return 0.25 if case.dtype == "float64" else 0.01
+
+
+def make_residual(case: Case, out: torch.Tensor, device: str = "cuda") -> torch.Tensor | None:
+    """The case's residual for an output like `out` (F.conv2d's: its shape and format), or None:
+    random (seeded by the case), with the output's strides ('out'), the other memory format's
+    ('other': the call copies it), or a view every other column of a wider tensor ('view')."""
+    if case.residual is None:
+        return None
+    g = torch.Generator().manual_seed(case.idx + 7)
+    shape, dt = tuple(out.shape), DTYPES[case.dtype]
+    if case.residual == "view":
+        r = torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(device=device, dtype=dt)[..., ::2]
+    else:
+        r = torch.randn(*shape, generator=g).to(device=device, dtype=dt)
+        if out.dim() == 4:
+            cl = out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+            if cl != (case.residual == "other"):
+                r = r.contiguous(memory_format=torch.channels_last)
+    return r
+
+
+_ACTS = {"relu": F.relu, "relu6": F.relu6, "silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish,
+         "hardsigmoid": F.hardsigmoid, "sigmoid": torch.sigmoid}
+
+
+def finish(case: Case, y: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """torch's epilogue on a convolution's output `y`, in y's dtype: the residual, the activation."""
+    if r is not None:
+        y = y + r.to(y.dtype)
+    if case.activation == "leaky_relu":
+        return F.leaky_relu(y, slope(case))
+    return y if case.activation is None else _ACTS[case.activation](y)
+
+
 def make_gemv_cases(n: int, seed: int = 5113) -> list[Case]:
     """Calls forced onto `gemv`: shapes drawn as make_cases draws them (every kernel, stride,
     padding, dilation, groups, dtype and view, including offset starts that take the element-wise
@@ -1185,6 +1229,32 @@ def make_gemv_cases(n: int, seed: int = 5113) -> list[Case]:
                           pad, (1, 1), rng.random() < 0.5, dtype, "ieee" if dtype == "float32" else None,
                           rng.choice(layouts), H, W, "gemv", tiles))
     return cases
+
+
+def make_epilogue_cases(cases: list[Case], per_family: int = 6, seed: int = 5353) -> list[Case]:
+    """Fused epilogues in every family: of the sweep's `cases`, `per_family` of each forced family
+    (and of the selector's own choices), drawn so that each family's dtypes and layouts vary, each
+    given an activation (kernelgen.ACTIVATIONS and none, in turn) and a residual (none, with the
+    output's strides, the other memory format's, a strided view, in turn), at least one of the two.
+    `pytest -m gpu -k "sweep and epilogue"` runs them alone."""
+    rng = random.Random(seed)
+    pools: dict[str, list[Case]] = {}
+    for case in cases:
+        pools.setdefault(case.family or "", []).append(case)
+    acts = (*kernelgen.ACTIVATIONS, None)
+    residuals = ("out", None, "other", "view")
+    out: list[Case] = []
+    for family in sorted(pools):
+        pool = pools[family][:]
+        rng.shuffle(pool)
+        seen: set = set()
+        varied = [c for c in pool if (c.dtype, c.layout) not in seen and not seen.add((c.dtype, c.layout))]
+        picked = (varied + [c for c in pool if c not in varied])[:per_family]
+        for case in picked:
+            i = len(out)
+            act, res = acts[i % len(acts)], residuals[i % len(residuals)]
+            out.append(replace(case, idx=20000 + i, activation=act, residual=res if act or res else "out"))
+    return out
 
 
 def make_candidate_cases(n: int, seed: int = 8642) -> list[Case]:
@@ -1234,6 +1304,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
          make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_grouped_mma_cases(48) +
          make_stem_nhwc_cases(48) +
          make_weight_layout_cases(HOPPER) + make_candidate_cases(48) + make_gemv_cases(64))
+CASES += make_epilogue_cases(CASES)
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -1260,8 +1331,10 @@ def warmed(session_cache, request):
     specs = set()
     for case in selected:
         x, w, b = make_tensors(case, device="meta")
+        r = make_residual(case, F.conv2d(x, w, b, **conv_kwargs(case)), device="meta")
         spec, _ = spec_for(x, w, b, **conv_kwargs(case), device="cuda", precision=case.precision,
-                           family=case.family, tiles=dict(case.tiles) or None)
+                           family=case.family, tiles=dict(case.tiles) or None, activation=case.activation,
+                           residual=r)
         if spec is not None:
             specs.add(spec)
     results = warm_specs(sorted(specs, key=lambda s: s.to_json()), jobs=int(os.environ.get("KERNELGEN_JOBS", "16")))
@@ -1270,7 +1343,9 @@ def warmed(session_cache, request):
     return results
 
 
-def tolerance(case: Case, x, w, b, ref) -> float:
+def tolerance(case: Case, x, w, b, ref, r=None) -> float:
+    """PERF.md's accuracy rules against `ref` (float64, the epilogue included), with torch's own
+    error measured on its convolution in the case's dtype and the epilogue after it."""
     kw = conv_kwargs(case)
     if case.dtype == "float64":
         return 1e-10
@@ -1282,11 +1357,11 @@ def tolerance(case: Case, x, w, b, ref) -> float:
         prev = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = True
         try:
-            cudnn_err = rel_err(F.conv2d(x, w, b, **kw), ref)
+            cudnn_err = rel_err(finish(case, F.conv2d(x, w, b, **kw), r), ref)
         finally:
             torch.backends.cudnn.allow_tf32 = prev
         return max(1.5 * cudnn_err, 1e-3)
-    torch_err = rel_err(F.conv2d(x, w, b, **kw), ref)
+    torch_err = rel_err(finish(case, F.conv2d(x, w, b, **kw), r), ref)
     return max(1.5 * torch_err, 1e-4)
 
 
@@ -1294,14 +1369,17 @@ def tolerance(case: Case, x, w, b, ref) -> float:
 def test_sweep_against_float64(case: Case):
     x, w, b = make_tensors(case)
     kw = conv_kwargs(case)
-    ref = F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw)
-    out_numel = ref.numel()
     expected = F.conv2d(x, w, b, **kw)
+    r = make_residual(case, expected)
+    ref = finish(case, F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw), r)
+    out_numel = ref.numel()
+    epilogue = dict(activation=case.activation, negative_slope=slope(case), residual=r) \
+        if case.activation or case.residual else {}
     # Twice: the first call packs the weights where its kernel does, the second reads that packing
     # (kernelgen/packs.py).
     for call in ("first", "second"):
         y = call_poisoned(lambda: kernelgen.conv2d(x, w, b, **kw, precision=case.precision, family=case.family,
-                                                   tiles=dict(case.tiles) or None),
+                                                   tiles=dict(case.tiles) or None, **epilogue),
                           out_numel, x.dtype)
         torch.cuda.synchronize()
         assert y.shape == ref.shape and y.dtype == x.dtype and y.device == x.device
@@ -1310,7 +1388,7 @@ def test_sweep_against_float64(case: Case):
             assert y.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
                 memory_format=torch.channels_last), "output memory format differs from F.conv2d's"
         err = rel_err(y, ref)
-        assert err <= tolerance(case, x, w, b, ref), f"{call} call: relative error {err:.3g}"
+        assert err <= tolerance(case, x, w, b, ref, r), f"{call} call: relative error {err:.3g}"
 
 
 def test_no_fallbacks_happened():
@@ -1508,14 +1586,34 @@ MEMCHECK = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch, kernelgen
     from kernelgen.families import all_families
+    EPILOGUE = {epilogue!r}  # every call with a fused epilogue: activations in turn, a residual
+    calls = [0]
+    def conv(x, w, b, times=1, **kw):
+        if not EPILOGUE:
+            for _ in range(times):
+                kernelgen.conv2d(x, w, b, **kw)
+            return
+        # the residual: exactly the output's size (an overrun reads past it), with the output's
+        # strides, channels_last's, or a strided view (the latter two handed to the kernel copied)
+        meta = kernelgen.conv2d(x.to("meta"), w.to("meta"), None if b is None else b.to("meta"), **kw)
+        i = calls[0] = calls[0] + 1
+        shape = tuple(meta.shape)
+        if i % 3 == 2:
+            r = torch.randn(*shape[:-1], 2 * shape[-1], device="cuda", dtype=x.dtype)[..., ::2]
+        else:
+            r = torch.randn(*shape, device="cuda", dtype=x.dtype)
+            if i % 3 == 1 and r.dim() == 4:
+                r = r.contiguous(memory_format=torch.channels_last)
+        act = kernelgen.ACTIVATIONS[i % len(kernelgen.ACTIVATIONS)]
+        for _ in range(times):
+            kernelgen.conv2d(x, w, b, activation=act, negative_slope=0.1, residual=r, **kw)
     def run(family, dtype, x_shape, w_shape, view=True, **kw):
         x = torch.randn(*x_shape, device="cuda", dtype=dtype)
         if view:
             x = x[..., 1:]  # an offset view: unaligned rows
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
-        for _ in range(2):  # (the second call reads the weights the first packed)
-            kernelgen.conv2d(x, w, b, family=family, **kw)
+        conv(x, w, b, times=2, family=family, **kw)  # (the second call reads the weights the first packed)
     def run_cl(dtype, x_shape, w_shape, offset, family="nhwc", **kw):
         # channels_last input, its data `offset` elements past an allocation's start
         n, c, h, w_ = x_shape
@@ -1523,8 +1621,7 @@ MEMCHECK = textwrap.dedent("""
         x = x.view(n, h, w_, c).permute(0, 3, 1, 2)
         w = torch.randn(*w_shape, device="cuda", dtype=dtype)
         b = torch.randn(w_shape[0], device="cuda", dtype=dtype)
-        for _ in range(2):
-            kernelgen.conv2d(x, w, b, family=family, **kw)
+        conv(x, w, b, times=2, family=family, **kw)
     fams = {{name: fam for name, fam in all_families().items() if name in {families!r}}}
     for dtype in (torch.float32, torch.bfloat16):
         if "direct" in fams:
@@ -1560,7 +1657,7 @@ MEMCHECK = textwrap.dedent("""
             run_cl(dtype, (3, 5, 13, 17), (67, 5, 3, 3), 0, family="stem_nhwc", padding=1, stride=(1, 2))
             x = torch.randn(2, 4, 21, 15, device="cuda", dtype=dtype)
             w = torch.randn(40, 4, 3, 3, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-            kernelgen.conv2d(x, w, family="stem_nhwc", padding=1)
+            conv(x, w, None, family="stem_nhwc", padding=1)
             if dtype == torch.float32:
                 run_cl(dtype, (2, 3, 19, 23), (64, 3, 7, 7), 0, family="stem_nhwc", stride=2, padding=3,
                        precision="ieee")
@@ -1619,7 +1716,7 @@ MEMCHECK = textwrap.dedent("""
             # weights read where they lie (16-bit, channels_last and whole k-tiles of channels)
             x = torch.randn(2, 64, 9, 11, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
             w = torch.randn(72, 64, 3, 3, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-            kernelgen.conv2d(x, w, family="nhwc_tma", padding=1)
+            conv(x, w, None, family="nhwc_tma", padding=1)
         if "pointwise_tma" in fams and torch.cuda.get_device_capability() == (9, 0):
             # the input read where it lies, from an aligned start and one element past one; a
             # plane's partial last tile, output channels past the last whole block, resident
@@ -1627,7 +1724,7 @@ MEMCHECK = textwrap.dedent("""
             for offset in (0, 1):
                 x = torch.randn(2 * 48 * 20 * 20 + offset, device="cuda", dtype=dtype)[offset:].view(2, 48, 20, 20)
                 w = torch.randn(80, 48, 1, 1, device="cuda", dtype=dtype)
-                kernelgen.conv2d(x, w, torch.randn(80, device="cuda", dtype=dtype), family="pointwise_tma")
+                conv(x, w, torch.randn(80, device="cuda", dtype=dtype), family="pointwise_tma")
             run("pointwise_tma", dtype, (3, 256, 6, 12), (136, 256, 1, 1), view=False,
                 tiles={{"wres": 0, "stages": 2}})
         if "depthwise_planes" in fams:
@@ -1743,8 +1840,22 @@ def test_memcheck_parts_cover_every_family():
                     reason="compute-sanitizer not found")
 @pytest.mark.parametrize("part", sorted(MEMCHECK_PARTS))
 def test_compute_sanitizer_memcheck_is_clean(part, tmp_path):
+    _memcheck(tmp_path, MEMCHECK_PARTS[part], epilogue=False)
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/local/cuda/bin/compute-sanitizer")
+                    and subprocess.run(["which", "compute-sanitizer"], capture_output=True).returncode,
+                    reason="compute-sanitizer not found")
+@pytest.mark.parametrize("part", sorted(MEMCHECK_PARTS))
+def test_compute_sanitizer_memcheck_with_epilogues_is_clean(part, tmp_path):
+    """The same calls, each with a fused epilogue: the residual read at every store path's offsets
+    (benchmarks/gpu_all.sh tests-memcheck-epilogue)."""
+    _memcheck(tmp_path, MEMCHECK_PARTS[part], epilogue=True)
+
+
+def _memcheck(tmp_path, families, epilogue: bool):
     script = tmp_path / "memcheck.py"
-    script.write_text(MEMCHECK.format(repo=str(REPO), families=MEMCHECK_PARTS[part]))
+    script.write_text(MEMCHECK.format(repo=str(REPO), families=families, epilogue=epilogue))
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")  # exact allocations, so overruns are seen
     sanitizer = "compute-sanitizer" if subprocess.run(["which", "compute-sanitizer"], capture_output=True).returncode == 0 \
         else "/usr/local/cuda/bin/compute-sanitizer"

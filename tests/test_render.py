@@ -54,8 +54,8 @@ def test_context_holds_only_ints_bools_and_enums():
                         layout=fam.layouts[0])
         for name, value in spec.template_context().items():
             assert isinstance(value, (int, bool)) or value in {
-                spec.family, spec.device, spec.dtype, spec.math, spec.layout, "float", "double", "__half",
-                "__nv_bfloat16"}, (name, value)
+                spec.family, spec.device, spec.dtype, spec.math, spec.layout, spec.activation, "float", "double",
+                "__half", "__nv_bfloat16"}, (name, value)
 
 
 def test_missing_context_is_an_error(tmp_path, monkeypatch):
@@ -226,7 +226,7 @@ def test_weight_layout_tests_choose_the_repack(tmp_path):
     # abi.cuh's two stride tests decide how the channels_last GEMM families take a call's weights:
     # as they lie (dense [out][kh][kw][in] from a 16-byte boundary), through the shared-memory
     # repack (dense [out][in][kh][kw]), or else through the element-wise gather. Built as plain C++.
-    abi = render_mod._environment().get_template("common/abi.cuh.j2").render(DEVICE="cuda")
+    abi = render_mod._environment().get_template("common/abi.cuh.j2").render(DEVICE="cuda", EPILOGUE=False)
     cases = [  # name, strides (out, in, kh, kw), kh, kw, cin, offset in bytes, (oihw, ohwi)
         ("OIHW 3x3", (144, 9, 3, 1), 3, 3, 16, 0, (1, 0)),
         ("OHWI 3x3 (channels_last)", (144, 1, 48, 16), 3, 3, 16, 0, (0, 1)),

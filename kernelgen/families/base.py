@@ -112,6 +112,9 @@ class Family:
     nchw_copy: whether an NCHW call's input is first transposed into its workspace (one more pass).
     row_tile: output columns of one row a tile covers, for families that tile each image's rows
         (a narrower row leaves the rest of the tile idle); 0 for those that tile pixels over the batch.
+    epilogue: whether its template applies the fused epilogue (an activation, a residual:
+        templates/common/epilogue.cuh.j2) where it writes the output; one that does not is
+        never handed a spec with one.
     """
 
     name: str
@@ -127,6 +130,7 @@ class Family:
     engine: str = "direct"
     nchw_copy: bool = False
     row_tile: int = 0
+    epilogue: bool = False
 
     def check(self, spec: "ConvSpec", device: "Device | None" = None) -> None:
         """Raise Unsupported(reason) if this family cannot compute `spec` correctly on `device`
@@ -137,6 +141,9 @@ class Family:
             raise Unsupported(f"{self.name} does not serve dtype {spec.dtype}")
         if spec.layout not in self.layouts:
             raise Unsupported(f"{self.name} does not take layout {spec.layout}")
+        if spec.epilogue and not self.epilogue:
+            raise Unsupported(f"{self.name} does not fuse epilogues (activation {spec.activation}"
+                              f"{', residual' if spec.residual else ''})")
         kh, kw = spec.kernel_size
         if not self.wide_weights and spec.out_channels * spec.cin_per_group * kh * kw >= 1 << 31:
             raise Unsupported(f"{self.name} indexes weights in 32 bits; this weight has 2^31 elements or more")

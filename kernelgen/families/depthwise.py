@@ -94,6 +94,7 @@ class DepthwiseFamily(Family):
     name: str = "depthwise"
     device: str = "cuda"
     template: str = "cuda/depthwise.cu.j2"
+    epilogue: bool = True
     layouts: tuple[str, ...] = ("nchw",)
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))

@@ -68,6 +68,7 @@ class DepthwisePlanesFamily(Family):
     name: str = "depthwise_planes"
     device: str = "cuda"
     template: str = "cuda/depthwise_planes.cu.j2"
+    epilogue: bool = True
     layouts: tuple[str, ...] = ("nchw",)
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))

@@ -348,7 +348,8 @@ class GemmFamily(Family):
         raise Unsupported(no_fit(fixed, reasons))
 
 
-_COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma")
+_COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma",
+               epilogue=True)
 
 pointwise = GemmFamily(
     name="pointwise", template="cuda/pointwise.cu.j2", flat=True,

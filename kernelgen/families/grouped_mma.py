@@ -112,6 +112,7 @@ class GroupedMmaFamily(Family):
     name: str = "grouped_mma"
     device: str = "cuda"
     template: str = "cuda/grouped_mma.cu.j2"
+    epilogue: bool = True
     layouts: tuple[str, ...] = ("nhwc", "nchw")
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))

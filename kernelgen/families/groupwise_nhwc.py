@@ -97,6 +97,7 @@ class GroupwiseNhwcFamily(Family):
     name: str = "groupwise_nhwc"
     device: str = "cuda"
     template: str = "cuda/groupwise_nhwc.cu.j2"
+    epilogue: bool = True
     layouts: tuple[str, ...] = ("nhwc", "nchw")
     # float64 calls are never channels_last on CUDA (F.conv2d returns them contiguous).
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")

@@ -314,7 +314,7 @@ class NhwcTmaFamily(Family):
 
 nhwc_tma = NhwcTmaFamily(
     name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"), archs=("sm_90a",),
-    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="wgmma", nchw_copy=True,
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="wgmma", nchw_copy=True, epilogue=True,
     tiles={"block_co": (64, 128, 256), "block_p": BLOCK_P, "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
            "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8), "a_regs": (0, 1),
