@@ -242,7 +242,7 @@ def _conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
     adjacent children of nn.Sequential."""
     mods = dict(model.named_modules())
     try:
-        graph = _LeafTracer().trace(model)
+        graph = _trace(_LeafTracer(), model)
     except Exception as exc:  # noqa: BLE001 (fx raises many types on what it cannot trace; the patterns follow)
         log.debug("kernelgen.convert: torch.fx cannot trace %s (%s: %s); folding BatchNorm by module patterns",
                   type(model).__name__, type(exc).__name__, exc)
@@ -257,6 +257,15 @@ def _conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
                 and not u.kwargs and _foldable_bn(mods[u.target], mods[n.target])):
             pairs.append((n.target, u.target))
     return pairs
+
+
+def _trace(tracer: torch.fx.Tracer, model: nn.Module, **kwargs) -> torch.fx.Graph:
+    """tracer.trace(model), and the tracer then emptied: it is in a reference cycle with its graph
+    and holds the model, which would otherwise live on (with its memory) until a garbage collection."""
+    try:
+        return tracer.trace(model, **kwargs)
+    finally:
+        tracer.__dict__.clear()
 
 
 class _LeafTracer(torch.fx.Tracer):

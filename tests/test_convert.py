@@ -409,3 +409,18 @@ def test_a_lone_conv_converts_as_the_model_itself():
     assert type(kernelgen.convert(conv)) is kernelgen.Conv2d
     assert kernelgen.report(conv).rows[0]["name"] == "Conv2d"
     assert type(kernelgen.revert(conv)) is nn.Conv2d
+
+
+def test_a_converted_model_is_freed_without_waiting_for_the_garbage_collector():
+    import gc
+    import weakref
+
+    model = _net()
+    kernelgen.convert(model, fold_bn=True)  # traces the model with torch.fx
+    gc.disable()
+    try:
+        alive = weakref.ref(model)
+        del model
+        assert alive() is None  # no reference cycle (fx's tracer and graph) holds it, or its memory
+    finally:
+        gc.enable()
