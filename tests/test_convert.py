@@ -346,10 +346,10 @@ def test_report_records_inputs_when_given_them():
     assert rows["reflect"]["input"] == (2, 8, 14, 14)  # what the convolution reads: padded by F.pad
     assert " g2 " in rows["grouped"]["plan"] and " g8 " in rows["dw"]["plan"]
     lines = str(report).splitlines()
-    assert lines[0].split() == ["layer", "input", "kernel", "bn", "folded", "fallback", "kernelgen", "µs",
+    assert lines[0].split() == ["layer", "input", "kernel", "bn", "folded", "fused", "fallback", "kernelgen", "µs",
                                 "F.conv2d", "µs"]
     assert lines[2].startswith("stem.0") and "2x3x12x12" in lines[2] and "cpu_direct[cout_block=" in lines[2]
-    assert lines[-1] == "5 layer(s): 5 on kernelgen, 0 on torch (fallback), 0 with BatchNorm folded"
+    assert lines[-1] == "5 layer(s): 5 on kernelgen, 0 on torch (fallback), 0 with BatchNorm folded, 0 fused"
 
 
 def test_bad_arguments_say_what_is_wrong():
