@@ -1,7 +1,7 @@
 """A whole model's convolutions on kernelgen: `convert`, `revert`, `report` (issue 53).
 
     model = kernelgen.convert(model, example_inputs=(x,))   # in place; returns the model
-    print(kernelgen.report(model))                          # per layer: input, kernel, µs vs F.conv2d
+    print(kernelgen.report(model))                          # per layer: input, kernel, fused ops, µs vs F.conv2d
     kernelgen.revert(model)                                 # back to torch's convolution
 
 A layer is converted by changing its class in place (`module.__class__`), not by building a new
@@ -14,14 +14,23 @@ The module is `conversion`, not `convert`: importing a submodule sets it as an a
 package, so a `kernelgen/convert.py` imported before `kernelgen.convert` was first looked up would
 leave `kernelgen.convert` a module rather than the function.
 
-Not here yet (issue 53's other parts, which need template and GPU work): epilogue fusion (ReLU,
-SiLU, residual add in the kernels) and weights packed once per weight version.
+`fuse=True` also stays in place: the model's (or, where it does not trace, each nn.Sequential's)
+`forward` becomes an instance attribute, a `FusedForward` that runs the module's torch.fx trace with
+each convolution and its following residual add and activation as one call; `revert` removes it.
+The code reads every submodule through the module itself, so a submodule replaced later is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
+import itertools
+import linecache
 import logging
+import operator
+import types
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -61,10 +70,14 @@ class Layer:
     us: float | None = None
     torch_us: float | None = None
     added_precision: bool = False  # convert set `precision`, which revert then removes
+    # fuse=True: what each fused call of the layer takes into its epilogue ("+residual, relu"), and
+    # how many calls computed that add and activation in torch (a residual the kernel cannot take)
+    fused: list[str] = dataclasses.field(default_factory=list)
+    epilogue_in_torch: int = 0
 
 
-def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = False, tune: bool = False,
-            fallback: str | None = None) -> nn.Module:
+def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = False, fuse: bool = False,
+            tune: bool = False, fallback: str | None = None) -> nn.Module:
     """Run every torch.nn.Conv2d of `model` on kernelgen, in place; returns `model`.
 
     Converted: torch.nn.Conv2d, and its subclasses whose forward is torch's or calls
@@ -81,6 +94,18 @@ def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = Fal
         uses the running statistics. Pairs are found with torch.fx where the model traces, else
         as adjacent children of an nn.Sequential. The state_dict changes accordingly (the bn's
         keys go; a conv without bias gains one). Not undone by `revert`.
+    fuse: put each convolution's following residual add and activation into the convolution's
+        call (kernelgen.conv2d's epilogue): conv [-> add] [-> activation], the conv's output read by
+        nothing else. Activations: ReLU, ReLU6 (Hardtanh(0, 6)), LeakyReLU, SiLU, GELU (exact),
+        Hardswish, Hardsigmoid, Sigmoid, as modules, functions or tensor methods, in place or not;
+        add: `+`, `+=`, torch.add, Tensor.add(_). With fold_bn, conv -> BatchNorm -> ReLU becomes one
+        call. Needs eval mode. Sites are found with torch.fx where the model traces (its forward
+        becomes a FusedForward running the fused trace), else in each nn.Sequential (conv, then
+        the activation module). In place: the model and its submodules stay the same objects;
+        no module is removed, an activation is skipped only at the call it was fused into.
+        A residual the kernel cannot take at run time (another dtype, under autocast, or
+        broadcast) is added, and the activation applied, by torch after kernelgen's
+        convolution: counted (kernelgen.stats()['epilogues_in_torch']) and shown by `report`.
     tune: measure each recorded call's candidates on this device (kernelgen.tune_calls) and keep
         the fastest; needs example_inputs.
     fallback: None, or 'torch': a layer whose kernelgen kernel (tuned, where `tune`) is slower
@@ -92,6 +117,9 @@ def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = Fal
     if (tune or fallback) and example_inputs is None:
         raise ValueError(f"{'tune=True' if tune else f'fallback={fallback!r}'} needs example_inputs: the layers "
                          "are measured on the calls the model makes on them")
+    if fuse and model.training:
+        raise ValueError("fuse=True needs the model in eval mode (call model.eval() first): the fused forward is "
+                         "the model as torch.fx traces it in eval mode")
     folded = fold_batchnorm(model) if fold_bn else {}
     for m in model.modules():
         target = _target_class(m)
@@ -100,6 +128,8 @@ def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = Fal
         layer = getattr(m, ATTR, None)
         if m in folded and layer is not None:
             layer.bn = folded[m]
+    if fuse:
+        fuse_epilogues(model)
     if example_inputs is not None:
         calls = _record(model, example_inputs)
         if tune:
@@ -111,10 +141,12 @@ def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = Fal
 
 def revert(model: nn.Module) -> nn.Module:
     """Undo `convert` in place (returns `model`): every converted layer gets its original class
-    back, and a kernelgen.Conv2d built directly becomes a torch.nn.Conv2d. Parameters, buffers
-    and state_dict are kept, so outputs match the model before `convert` (a folded BatchNorm
-    stays folded)."""
+    back, a kernelgen.Conv2d built directly becomes a torch.nn.Conv2d, and a fused forward goes
+    (each module runs its own class's forward again). Parameters, buffers and state_dict are
+    kept, so outputs match the model before `convert` (a folded BatchNorm stays folded)."""
     for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), FusedForward):
+            del m.__dict__["forward"]
         layer = m.__dict__.pop(ATTR, None)
         if layer is not None:
             m.__class__ = layer.original
@@ -242,7 +274,7 @@ def _conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
     adjacent children of nn.Sequential."""
     mods = dict(model.named_modules())
     try:
-        graph = _LeafTracer().trace(model)
+        graph = _trace(_LeafTracer(), model)
     except Exception as exc:  # noqa: BLE001 (fx raises many types on what it cannot trace; the patterns follow)
         log.debug("kernelgen.convert: torch.fx cannot trace %s (%s: %s); folding BatchNorm by module patterns",
                   type(model).__name__, type(exc).__name__, exc)
@@ -257,6 +289,15 @@ def _conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
                 and not u.kwargs and _foldable_bn(mods[u.target], mods[n.target])):
             pairs.append((n.target, u.target))
     return pairs
+
+
+def _trace(tracer: torch.fx.Tracer, model: nn.Module, **kwargs) -> torch.fx.Graph:
+    """tracer.trace(model), and the tracer then emptied: it is in a reference cycle with its graph
+    and holds the model, which would otherwise live on (with its memory) until a garbage collection."""
+    try:
+        return tracer.trace(model, **kwargs)
+    finally:
+        tracer.__dict__.clear()
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -297,6 +338,431 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
         conv.bias = nn.Parameter(bias.to(device=w.device, dtype=w.dtype), requires_grad=w.requires_grad)
     else:
         conv.bias.copy_(bias)
+
+
+# --- epilogue fusion ------------------------------------------------------------------------------
+
+# kernelgen.conv2d's activations as torch computes them (torch's semantics, which the kernels
+# follow): a fused call whose residual the kernel cannot take applies its activation with these.
+TORCH_ACTIVATIONS = {
+    "relu": lambda y, slope: F.relu(y),
+    "relu6": lambda y, slope: F.relu6(y),
+    "leaky_relu": lambda y, slope: F.leaky_relu(y, slope),
+    "silu": lambda y, slope: F.silu(y),
+    "gelu": lambda y, slope: F.gelu(y),
+    "hardswish": lambda y, slope: F.hardswish(y),
+    "hardsigmoid": lambda y, slope: F.hardsigmoid(y),
+    "sigmoid": lambda y, slope: torch.sigmoid(y),
+}
+
+_MODULE_ACTIVATIONS = {nn.ReLU: "relu", nn.ReLU6: "hardtanh", nn.Hardtanh: "hardtanh", nn.LeakyReLU: "leaky_relu",
+                       nn.SiLU: "silu", nn.GELU: "gelu", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid",
+                       nn.Sigmoid: "sigmoid"}
+# Functions as torch.fx records them: the activation, and their parameters in order (the first is the input).
+_FUNCTION_ACTIVATIONS = {
+    F.relu: ("relu", ("input", "inplace")), torch.relu: ("relu", ("input",)), torch.relu_: ("relu", ("input",)),
+    F.relu6: ("relu6", ("input", "inplace")),
+    F.hardtanh: ("hardtanh", ("input", "min_val", "max_val", "inplace")),
+    F.hardtanh_: ("hardtanh", ("input", "min_val", "max_val")),
+    F.leaky_relu: ("leaky_relu", ("input", "negative_slope", "inplace")),
+    F.leaky_relu_: ("leaky_relu", ("input", "negative_slope")),
+    F.silu: ("silu", ("input", "inplace")), F.gelu: ("gelu", ("input", "approximate")),
+    F.hardswish: ("hardswish", ("input", "inplace")), F.hardsigmoid: ("hardsigmoid", ("input", "inplace")),
+    torch.sigmoid: ("sigmoid", ("input",)), torch.sigmoid_: ("sigmoid", ("input",)), F.sigmoid: ("sigmoid", ("input",)),
+}
+_METHOD_ACTIVATIONS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid"}
+_DEFAULTS = {"inplace": False, "min_val": -1.0, "max_val": 1.0, "negative_slope": 0.01, "approximate": "none"}
+# Operators that change their first operand (`x += y`, `x[i] = y`): a node between a convolution and
+# the add fused into it must not be one, since the fused call moves the convolution to the add.
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul, operator.setitem, operator.delitem}
+
+
+def fused_call(conv: nn.Module, input, residual, activation: str | None, negative_slope: float,
+               add: str | None) -> torch.Tensor:
+    """One fused site of a model converted with fuse=True: activation(conv(input) + residual).
+
+    The epilogue goes into conv's kernel (the layer's forward passes it to kernelgen.conv2d) where
+    the kernel can take it: always for an activation alone, and for a residual of exactly the
+    output's shape, dtype and device. Otherwise (a residual of another dtype, as under autocast,
+    one that broadcasts, or not a tensor) kernelgen computes the convolution and torch the add
+    (in place where the model wrote `+=`: `add` is 'iadd') and the activation, with torch's
+    semantics; counted as kernelgen.stats()['epilogues_in_torch'] and in the layer's report row.
+    A layer on torch (fallback='torch', or reverted) computes all of it with torch, as unfused.
+    """
+    on_kernelgen = type(conv).forward is KgConv2d.forward
+    if on_kernelgen and (residual is None or _fits(conv, input, residual)):
+        return conv(input, activation=activation, negative_slope=negative_slope, residual=residual)
+    if on_kernelgen:
+        count("epilogues_in_torch")
+        layer = conv.__dict__.get(ATTR)
+        if layer is not None:
+            if layer.epilogue_in_torch == 0:
+                log.info("kernelgen: a fused Conv2d(%s) gets a residual its kernel cannot take (%s, output %s %s); "
+                         "torch adds it and applies %s (kernelgen.report counts such calls)", conv.extra_repr(),
+                         _describe_value(residual), tuple(_out_shape(conv, input)), _out_dtype(input), activation)
+            layer.epilogue_in_torch += 1
+    y = conv(input)
+    if add == "iadd":
+        y = operator.iadd(y, residual)
+    elif add is not None:
+        y = y + residual
+    return y if activation is None else TORCH_ACTIVATIONS[activation](y, negative_slope)
+
+
+def _describe_value(v) -> str:
+    return f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def _out_dtype(input: torch.Tensor) -> torch.dtype:
+    """The dtype of kernelgen.conv2d's output for `input`: the input's, or autocast's (as F.conv2d)."""
+    dtype, device = input.dtype, input.device.type
+    if ((device == "cuda" or device == "cpu") and torch.is_autocast_enabled(device) and dtype.is_floating_point
+            and dtype is not torch.float64):
+        return torch.get_autocast_dtype(device)
+    return dtype
+
+
+def _out_shape(conv: nn.Module, input: torch.Tensor) -> torch.Size:
+    """The shape of conv(input), batched or not (non-'zeros' padding modes pad by the same amount)."""
+    h, w = input.shape[-2:]
+    if conv.padding == "same":
+        return torch.Size((*input.shape[:-3], conv.out_channels, h, w))
+    (ph, pw) = (0, 0) if conv.padding == "valid" else conv.padding
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    return torch.Size((*input.shape[:-3], conv.out_channels, (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
+                       (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1))
+
+
+def _fits(conv: nn.Module, input, residual) -> bool:
+    """Whether kernelgen.conv2d's epilogue takes `residual` for this call: a tensor of exactly the
+    output's shape, dtype and device."""
+    return (isinstance(residual, torch.Tensor) and isinstance(input, torch.Tensor) and input.dim() >= 3
+            and residual.device == input.device and residual.dtype == _out_dtype(input)
+            and residual.shape == _out_shape(conv, input))
+
+
+def fuse_epilogues(model: nn.Module) -> int:
+    """Fuse each convolution's following residual add and activation into its call (see
+    `convert`'s fuse), in place; returns the number of fused sites. Converted layers' `fused`
+    records are rewritten."""
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), FusedForward):  # an earlier convert's: fused afresh below
+            del m.__dict__["forward"]
+        layer = m.__dict__.get(ATTR)
+        if layer is not None:
+            layer.fused, layer.epilogue_in_torch = [], 0
+    names = {m: n for n, m in model.named_modules()}
+    total = 0
+    for owner, graph, required in _fusion_graphs(model):
+        mods = dict(owner.named_modules())
+        sites = _fuse_graph(graph, mods)
+        if not sites:
+            continue
+        graph.lint()
+        for conv, description in sites:
+            if ATTR in conv.__dict__:
+                conv.__dict__[ATTR].fused.append(description)
+            log.debug("kernelgen.convert: fused %s into %s", description, names.get(conv, type(conv).__name__))
+        owner.__dict__["forward"] = FusedForward(owner, graph, required)
+        total += len(sites)
+    return total
+
+
+def _fusion_graphs(model: nn.Module) -> list[tuple[nn.Module, torch.fx.Graph, int]]:
+    """(module, its forward as a graph, its number of required arguments) to fuse in: the model's
+    torch.fx trace where it traces, else each nn.Sequential's chain of children."""
+    traced = _trace_for_fusion(model)
+    if traced is not None:
+        return [(model, *traced)]
+    out = []
+    for seq in model.modules():
+        if type(seq).forward is nn.Sequential.forward and not _own_forward(seq):
+            graph = torch.fx.Graph()
+            x = graph.placeholder("input")
+            for name, _ in seq.named_children():
+                x = graph.call_module(name, (x,))
+            graph.output(x)
+            out.append((seq, graph, 1))
+    return out
+
+
+def _own_forward(m: nn.Module) -> bool:
+    """Whether `m` has a forward of its own (an instance attribute, not convert's): its class's
+    forward, which torch.fx traces, is not what it runs."""
+    return "forward" in m.__dict__ and not isinstance(m.__dict__["forward"], FusedForward)
+
+
+def _trace_for_fusion(model: nn.Module) -> tuple[torch.fx.Graph, int] | None:
+    """(graph, required arguments) of the model's forward as torch.fx traces it, its optional
+    arguments fixed at their defaults (FusedForward runs it only for such calls); None where it
+    does not trace."""
+    if _own_forward(model):
+        log.debug("kernelgen.convert: %s has a forward of its own; fusing by module patterns", type(model).__name__)
+        return None
+    params = list(inspect.signature(type(model).forward).parameters.values())[1:]
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        log.debug("kernelgen.convert: %s.forward takes *args, **kwargs or keyword-only arguments; fusing by module "
+                  "patterns", type(model).__name__)
+        return None
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    if any(v is not None and type(v) not in (bool, int, float, str) for v in defaults.values()):
+        log.debug("kernelgen.convert: %s.forward has a default other than None, a bool, a number or a string; "
+                  "fusing by module patterns", type(model).__name__)
+        return None
+    try:
+        graph = _trace(_FuseTracer(), model, concrete_args=defaults or None)
+    except Exception as exc:  # noqa: BLE001 (fx raises many types on what it cannot trace; the patterns follow)
+        log.debug("kernelgen.convert: torch.fx cannot trace %s (%s: %s); fusing by module patterns",
+                  type(model).__name__, type(exc).__name__, exc)
+        return None
+    return graph, len(params) - len(defaults)
+
+
+class _InplaceProxy(torch.fx.Proxy):
+    """A proxy that records `x += y` as operator.iadd, not as `x + y` (fx's Proxy has no __iadd__,
+    so Python falls back to __add__): the traced code then changes x in place as the model does,
+    and keeps x's dtype where y's differs."""
+
+
+def _inplace_dunder(op):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    return method
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+            "matmul"):
+    setattr(_InplaceProxy, f"__i{_op}__", _inplace_dunder(getattr(operator, f"i{_op}")))
+
+
+class _FuseTracer(_LeafTracer):
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _InplaceProxy(node, self)
+
+
+def _fusable_conv(m: nn.Module | None) -> bool:
+    """A layer on kernelgen whose forward is kernelgen.Conv2d's (which takes the epilogue) and
+    whose output no forward hook reads (fused, the output would be the activation's)."""
+    return m is not None and type(m).forward is KgConv2d.forward and not m._forward_hooks
+
+
+def _only_user(n: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def _is_identity(m: nn.Module) -> bool:
+    return type(m) is nn.Identity and not m._forward_hooks and not m._forward_pre_hooks
+
+
+def _bind(params: tuple, args: tuple, kwargs: dict) -> dict | None:
+    if len(args) > len(params) or any(k not in params[len(args):] for k in kwargs):
+        return None
+    bound = dict(zip(params, args), **kwargs)
+    return {p: bound.get(p, _DEFAULTS.get(p)) for p in params}
+
+
+def _node_activation(n: torch.fx.Node, mods: dict) -> tuple[Any, str, float] | None:
+    """(input, activation, negative_slope) where node `n` applies one of kernelgen.conv2d's
+    activations to `input`, else None."""
+    if n.op == "call_module":
+        m = mods[n.target]
+        name = _MODULE_ACTIVATIONS.get(type(m))
+        if name is None or len(n.args) != 1 or n.kwargs or m._forward_hooks or m._forward_pre_hooks:
+            return None  # (an activation module's hooks would not run where it is fused)
+        values = {"input": n.args[0], "min_val": getattr(m, "min_val", None), "max_val": getattr(m, "max_val", None),
+                  "negative_slope": getattr(m, "negative_slope", 0.01), "approximate": getattr(m, "approximate", None)}
+    elif n.op == "call_method":
+        name = _METHOD_ACTIVATIONS.get(n.target)
+        if name is None or len(n.args) != 1 or n.kwargs:
+            return None
+        values = {"input": n.args[0]}
+    elif n.op == "call_function":
+        try:
+            name, params = _FUNCTION_ACTIVATIONS[n.target]
+        except (KeyError, TypeError):
+            return None
+        values = _bind(params, n.args, n.kwargs)
+        if values is None or any(isinstance(v, torch.fx.Node) for k, v in values.items() if k != "input"):
+            return None
+    else:
+        return None
+    if name == "hardtanh":
+        if (values["min_val"], values["max_val"]) != (0, 6):
+            return None
+        name = "relu6"
+    if name == "gelu" and values.get("approximate", "none") != "none":
+        return None
+    slope = values.get("negative_slope", 0.01) if name == "leaky_relu" else 0.01
+    return values["input"], name, float(slope)
+
+
+def _node_add(n: torch.fx.Node) -> tuple[Any, Any, str] | None:
+    """(a, b, 'add' or 'iadd') where node `n` is a + b (`iadd`: a += b, a changed in place), else None."""
+    args, kwargs = n.args, dict(n.kwargs)
+    if n.op == "call_function" and n.target in (operator.add, operator.iadd) and len(args) == 2 and not kwargs:
+        return args[0], args[1], "iadd" if n.target is operator.iadd else "add"
+    if (n.op == "call_function" and n.target is torch.add) or (n.op == "call_method" and n.target in ("add", "add_")):
+        alpha = kwargs.pop("alpha", 1)
+        if len(args) == 2 and not kwargs and not isinstance(alpha, torch.fx.Node) and alpha == 1:
+            return args[0], args[1], "iadd" if n.target == "add_" else "add"
+    return None
+
+
+def _may_mutate(n: torch.fx.Node, mods: dict) -> bool:
+    """Whether node `n` may change a tensor in place (conservatively)."""
+    if n.op == "call_module":
+        m = mods[n.target]
+        pure = type(m).__module__.startswith("torch.nn.") or type(m).forward is KgConv2d.forward
+        return not pure or bool(getattr(m, "inplace", False))
+    if n.op == "call_method":
+        return n.target.endswith("_") or n.target.startswith("__set")
+    if n.op != "call_function":
+        return False
+    if n.target in _INPLACE_OPERATORS or "out" in n.kwargs or n.kwargs.get("inplace") is True:
+        return True
+    name = getattr(n.target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    try:
+        return inspect.signature(n.target).bind(*n.args, **n.kwargs).arguments.get("inplace") is True
+    except (TypeError, ValueError):
+        return False
+
+
+def _between(a: torch.fx.Node, b: torch.fx.Node):
+    """The nodes after `a` and before `b` in the graph's order."""
+    n = a.next
+    while n is not b:
+        yield n
+        n = n.next
+
+
+def _describe(residual: bool, activation: str | None, slope: float) -> str:
+    parts = ["+residual"] if residual else []
+    if activation == "leaky_relu" and slope != 0.01:
+        parts.append(f"leaky_relu({slope:g})")
+    elif activation is not None:
+        parts.append(activation)
+    return ", ".join(parts)
+
+
+def _fuse_graph(graph: torch.fx.Graph, mods: dict) -> list[tuple[nn.Module, str]]:
+    """Rewrite each conv [-> nn.Identity]* [-> add] [-> activation] of `graph` as one fused_call
+    node; returns (conv, description) per site. Each step's output must be read only by the next.
+    The call takes the add's place (where the residual exists: torchvision's Bottleneck computes
+    it after the convolution), so a site whose convolution would then read its input after a
+    node that may change a tensor in place keeps its add unfused."""
+    sites = []
+    for conv in list(graph.nodes):
+        if conv.op != "call_module" or len(conv.args) != 1 or conv.kwargs or not _fusable_conv(mods.get(conv.target)):
+            continue
+        chain, end = [conv], conv
+        while ((u := _only_user(end)) is not None and u.op == "call_module" and _is_identity(mods[u.target])
+               and u.args == (end,) and not u.kwargs):
+            chain.append(u)
+            end = u
+        residual = add = None
+        anchor = conv  # where the fused call goes: the add's place where there is one, else the conv's
+        u = _only_user(end)
+        if u is not None and (found := _node_add(u)) is not None:
+            a, b, form = found
+            other = b if a is end else a if b is end else None
+            if (isinstance(other, torch.fx.Node) and other is not end and (form == "add" or a is end)
+                    and not any(_may_mutate(n, mods) for n in _between(conv, u) if n not in chain)):
+                residual, add = other, form
+                chain.append(u)
+                end = anchor = u
+        activation, slope = None, 0.01
+        u = _only_user(end)
+        if u is not None and (found := _node_activation(u, mods)) is not None and found[0] is end:
+            _, activation, slope = found
+            chain.append(u)
+            end = u
+        if residual is None and activation is None:
+            continue
+        with graph.inserting_before(anchor):
+            module = graph.get_attr(conv.target)
+            fused = graph.call_function(fused_call, (module, conv.args[0], residual, activation, slope, add))
+        end.replace_all_uses_with(fused)
+        for n in reversed(chain):
+            graph.erase_node(n)
+        sites.append((mods[conv.target], _describe(residual is not None, activation, slope)))
+    return sites
+
+
+class FusedForward:
+    """A module's `forward` while `convert(..., fuse=True)` holds it (an instance attribute):
+    the module's forward as torch.fx traced it, with fused calls, run on the module itself.
+
+    It serves calls in eval mode whose optional arguments are their defaults (what was traced);
+    any other call, and every call in training mode, runs the class's own forward (its
+    convolutions still on kernelgen, unfused). `code` is the Python it runs. It holds its module
+    weakly (no reference cycle keeps a model's memory alive) and pickles and deep-copies with it.
+    """
+
+    _names = itertools.count()
+
+    def __init__(self, owner: nn.Module, graph: torch.fx.Graph, required: int):
+        code = graph.python_code(root_module="self")
+        self._init(owner, code.src, {k: v for k, v in code.globals.items() if k != "__builtins__"}, required)
+
+    def _init(self, owner: nn.Module, src: str, globals_: dict, required: int) -> None:
+        self._owner = weakref.ref(owner)
+        self.code, self._globals, self._required = src, globals_, required
+        # registered with linecache, so tracebacks through the fused forward show its lines
+        filename = f"<kernelgen fused forward {next(self._names)}>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        namespace = dict(globals_)
+        exec(compile(src, filename, "exec"), namespace)  # noqa: S102 (fx's code for the traced graph)
+        self._fn = namespace["forward"]
+
+    def __call__(self, *args, **kwargs):
+        owner = self._owner()
+        if owner is None:
+            raise ReferenceError("this fused forward's module no longer exists (a FusedForward holds it weakly)")
+        if not owner.training:
+            if not kwargs and len(args) == self._required:
+                return self._fn(owner, *args)
+            required = self._required_only(owner, args, kwargs)
+            if required is not None:
+                return self._fn(owner, *required)
+        return type(owner).forward(owner, *args, **kwargs)
+
+    def _required_only(self, owner: nn.Module, args: tuple, kwargs: dict) -> list | None:
+        """The required arguments of a call whose optional ones are absent or their defaults."""
+        signature = inspect.signature(type(owner).forward)
+        try:
+            bound = signature.bind(owner, *args, **kwargs)
+        except TypeError:
+            return None
+        params = list(signature.parameters.values())[1:]
+        for p in params[self._required:]:
+            if p.name in bound.arguments and not _same(bound.arguments[p.name], p.default):
+                return None
+        return [bound.arguments[p.name] for p in params[:self._required]]
+
+    def __repr__(self) -> str:
+        owner = self._owner()
+        return (f"<kernelgen fused forward of {type(owner).__name__}: print(.code) shows it; "
+                "kernelgen.revert removes it>")
+
+    def __reduce__(self):
+        modules = {k: v.__name__ for k, v in self._globals.items() if isinstance(v, types.ModuleType)}
+        objects = {k: v for k, v in self._globals.items() if k not in modules}
+        return _load_fused_forward, (self._owner(), self.code, modules, objects, self._required)
+
+
+def _load_fused_forward(owner, src, modules, objects, required) -> FusedForward:
+    f = FusedForward.__new__(FusedForward)
+    f._init(owner, src, {**{k: importlib.import_module(v) for k, v in modules.items()}, **objects}, required)
+    return f
+
+
+def _same(value, default) -> bool:
+    return value is default or (type(value) in (bool, int, float, str) and type(value) is type(default)
+                                and value == default)
 
 
 # --- recording, tuning, measuring -----------------------------------------------------------------
@@ -415,13 +881,15 @@ class Report:
 
     rows: list[dict]
 
-    COLUMNS = (("name", "layer"), ("input", "input"), ("kernel", "kernel"), ("bn", "bn folded"),
+    COLUMNS = (("name", "layer"), ("input", "input"), ("kernel", "kernel"), ("bn", "bn folded"), ("fused", "fused"),
                ("fallback", "fallback"), ("us", "kernelgen µs"), ("torch_us", "F.conv2d µs"))
 
     def __str__(self) -> str:
-        def cell(key, v):
+        def cell(key, v, row):
             if v is None:
                 return "-"
+            if key == "fused" and row["epilogue_in_torch"]:
+                return f"{v} (torch ×{row['epilogue_in_torch']})"
             if key == "input":
                 return "x".join(map(str, v))
             if isinstance(v, float):
@@ -429,23 +897,26 @@ class Report:
             return str(v)
 
         table = [[head for _, head in self.COLUMNS]]
-        table += [[cell(k, r[k]) for k, _ in self.COLUMNS] for r in self.rows]
+        table += [[cell(k, r[k], r) for k, _ in self.COLUMNS] for r in self.rows]
         widths = [max(len(row[i]) for row in table) for i in range(len(self.COLUMNS))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
         lines.insert(1, "  ".join("-" * w for w in widths))
         n_fb = sum(r["fallback"] is not None for r in self.rows)
         n_bn = sum(r["bn"] is not None for r in self.rows)
+        n_fused = sum(r["fused"] is not None for r in self.rows)
         lines.append(f"{len(self.rows)} layer(s): {len(self.rows) - n_fb} on kernelgen, {n_fb} on torch "
-                     f"(fallback), {n_bn} with BatchNorm folded")
+                     f"(fallback), {n_bn} with BatchNorm folded, {n_fused} fused")
         return "\n".join(lines)
 
 
 def report(model: nn.Module, example_inputs: Any = None) -> Report:
     """A table of `model`'s converted layers: qualified name, input shape, the kernel kernelgen runs
     (family[tiles]; `plan` in the rows has its whole summary, `tuned` whether it was measured),
-    the BatchNorm folded in, fallback, and kernelgen's and F.conv2d's µs where convert measured
-    them. Input and kernel are those of the last recorded call: `convert`'s example inputs, or
-    `example_inputs` here, which runs the model once to record them."""
+    the BatchNorm folded in, the ops fused into its calls ("+residual, relu"; distinct ones joined
+    by "; ", and "(torch ×n)" where n calls had torch compute them: `epilogue_in_torch`), fallback,
+    and kernelgen's and F.conv2d's µs where convert measured them. Input and kernel are those of
+    the last recorded call: `convert`'s example inputs, or `example_inputs` here, which runs the
+    model once to record them."""
     if example_inputs is not None:
         _record(model, example_inputs)
     rows = []
@@ -456,6 +927,8 @@ def report(model: nn.Module, example_inputs: Any = None) -> Report:
         kernel = None if layer.plan is None else layer.plan.split(" ")[0] + (" (tuned)" if layer.tuned else "")
         rows.append({"name": name or type(m).__name__,
                      "input": None if layer.input is None else tuple(layer.input.shape), "kernel": kernel,
-                     "plan": layer.plan, "tuned": layer.tuned, "bn": layer.bn, "fallback": layer.fallback,
+                     "plan": layer.plan, "tuned": layer.tuned, "bn": layer.bn,
+                     "fused": "; ".join(dict.fromkeys(layer.fused)) or None,
+                     "epilogue_in_torch": layer.epilogue_in_torch, "fallback": layer.fallback,
                      "us": layer.us, "torch_us": layer.torch_us})
     return Report(rows)

@@ -22,7 +22,8 @@ class Conv2d(torch.nn.Conv2d):
     """A drop-in for torch.nn.Conv2d: same constructor, parameters and state_dict.
 
     Only the forward differs: it calls `kernelgen.conv2d`. Non-'zeros' padding modes
-    pad with F.pad first, exactly as torch.nn.Conv2d does.
+    pad with F.pad first, exactly as torch.nn.Conv2d does. It also takes conv2d's epilogue as
+    keyword arguments: `layer(x, activation="relu", residual=r)` is relu(layer(x) + r).
 
     precision: None (follow torch's TF32 setting), 'ieee' or 'tf32'; keyword-only.
     """
@@ -36,10 +37,16 @@ class Conv2d(torch.nn.Conv2d):
         # what to do instead of TorchScript's error about keyword-only arguments deep in conv2d.
         raise RuntimeError(SCRIPT_ERROR)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, *, activation: str | None = None, negative_slope: float = 0.01,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The convolution, and with `activation` or `residual` (kernelgen.conv2d's epilogue, which
+        `kernelgen.convert(..., fuse=True)` passes) activation(conv + residual) in the same kernel."""
+        padding = self.padding
         if self.padding_mode != "zeros":
-            padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            return conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups,
+            input, padding = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode), 0
+        if activation is None and residual is None:
+            return conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
                           precision=self.precision)
-        return conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                      precision=self.precision)
+        return conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
+                      precision=self.precision, activation=activation, negative_slope=negative_slope,
+                      residual=residual)

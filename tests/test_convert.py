@@ -346,10 +346,10 @@ def test_report_records_inputs_when_given_them():
     assert rows["reflect"]["input"] == (2, 8, 14, 14)  # what the convolution reads: padded by F.pad
     assert " g2 " in rows["grouped"]["plan"] and " g8 " in rows["dw"]["plan"]
     lines = str(report).splitlines()
-    assert lines[0].split() == ["layer", "input", "kernel", "bn", "folded", "fallback", "kernelgen", "µs",
+    assert lines[0].split() == ["layer", "input", "kernel", "bn", "folded", "fused", "fallback", "kernelgen", "µs",
                                 "F.conv2d", "µs"]
     assert lines[2].startswith("stem.0") and "2x3x12x12" in lines[2] and "cpu_direct[cout_block=" in lines[2]
-    assert lines[-1] == "5 layer(s): 5 on kernelgen, 0 on torch (fallback), 0 with BatchNorm folded"
+    assert lines[-1] == "5 layer(s): 5 on kernelgen, 0 on torch (fallback), 0 with BatchNorm folded, 0 fused"
 
 
 def test_bad_arguments_say_what_is_wrong():
@@ -409,3 +409,18 @@ def test_a_lone_conv_converts_as_the_model_itself():
     assert type(kernelgen.convert(conv)) is kernelgen.Conv2d
     assert kernelgen.report(conv).rows[0]["name"] == "Conv2d"
     assert type(kernelgen.revert(conv)) is nn.Conv2d
+
+
+def test_a_converted_model_is_freed_without_waiting_for_the_garbage_collector():
+    import gc
+    import weakref
+
+    model = _net()
+    kernelgen.convert(model, fold_bn=True)  # traces the model with torch.fx
+    gc.disable()
+    try:
+        alive = weakref.ref(model)
+        del model
+        assert alive() is None  # no reference cycle (fx's tracer and graph) holds it, or its memory
+    finally:
+        gc.enable()
