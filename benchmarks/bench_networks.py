@@ -9,6 +9,8 @@ graph and replayed; 32, eager), it times these variants of the same model on the
     kernelgen          kernelgen.convert(copy, example_inputs=(x,))
     kernelgen-bn       ... with fold_bn=True
     kernelgen-bn-fuse  ... with fold_bn=True, fuse=True (where kernelgen.convert takes `fuse`)
+    kernelgen-frozen   the best kernelgen variant, its batch-1 graph captured under
+                       kernelgen.frozen_weights() (replays read the weights packed once; batch 1 only)
     compile            torch.compile(model) (default mode, dynamic=False)
     compile-kernelgen  torch.compile of the last kernelgen variant's model
 
@@ -80,6 +82,7 @@ class Variant:
     name: str
     convert: tuple[tuple[str, Any], ...] | None = None
     compiled: bool = False
+    frozen: bool = False  # its graph captured under kernelgen.frozen_weights()
 
 
 def fuse_available() -> bool:
@@ -92,6 +95,8 @@ def all_variants(fuse: bool) -> list[Variant]:
     out = [Variant("eager"), Variant("kernelgen", (("fold_bn", False),)), Variant("kernelgen-bn", (("fold_bn", True),))]
     if fuse:
         out.append(Variant("kernelgen-bn-fuse", best))
+    if hasattr(kernelgen, "frozen_weights"):
+        out.append(Variant("kernelgen-frozen", best, frozen=True))
     return out + [Variant("compile", None, True), Variant("compile-kernelgen", best, True)]
 
 
@@ -183,9 +188,10 @@ def meta_specs(model: nn.Module, x: torch.Tensor) -> set:
 
     found = set()
 
-    def on_call(inp, w, b, stride, padding, dilation, groups, precision, family, tiles):
+    def on_call(inp, w, b, stride, padding, dilation, groups, precision, family, tiles, activation=None,
+                residual=None):
         spec, _ = spec_for(inp, w, b, stride, padding, dilation, groups, device=x.device.type,
-                           precision=precision, family=family, tiles=tiles)
+                           precision=precision, family=family, tiles=tiles, activation=activation, residual=residual)
         if spec is not None:
             found.add(spec)
 
@@ -221,17 +227,22 @@ def warm_kernels(base: nn.Module, x: torch.Tensor, converts) -> dict:
 # ------------------------------------------------------------------------------------ variants
 
 
-def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def graphed(fn: Callable[[], torch.Tensor], frozen: bool = False) -> Callable[[], torch.Tensor]:
     """`fn` captured in a CUDA graph, after warm-up on a side stream as torch.cuda.graph asks: a
-    callable that replays the graph and returns its (static) output."""
+    callable that replays the graph and returns its (static) output. frozen: captured under
+    kernelgen.frozen_weights(), after one more call once the warm-up is done (so that kernelgen
+    knows its packings finished and the graph may read them)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn()
+        if frozen:
+            torch.cuda.synchronize()
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with kernelgen.frozen_weights() if frozen else contextlib.nullcontext(), torch.cuda.graph(graph):
         out = fn()
 
     def replay() -> torch.Tensor:
@@ -274,7 +285,7 @@ def prepare(v: Variant, models: _Models, graphs: bool) -> tuple[Callable[[], tor
         return run(x)
 
     fn()  # compiles whatever is not compiled yet, outside the timing
-    return (graphed(fn) if graphs else fn), model
+    return (graphed(fn, v.frozen) if graphs else fn), model
 
 
 def report_counts(model: nn.Module) -> dict:
@@ -343,6 +354,8 @@ def run_group(name: str, cell: str, batch: int, variants: list[Variant], args, u
     rows, fns, used = {}, {}, {}
     compiles = kernelgen.stats()["compiles"]
     for v in variants:
+        if v.frozen and not graphs:
+            continue  # (frozen weights change only what a graph replays)
         row = rows[v.name] = dict(network=name, cell=cell, batch=batch, variant=v.name, graph=graphs,
                                   compiled=v.compiled, convert=None if v.convert is None else dict(v.convert))
         if time.monotonic() >= until:
