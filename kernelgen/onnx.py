@@ -4,7 +4,8 @@ Exporting a model needs nothing from here: while `torch.onnx.export` runs (eithe
 kernelgen.conv2d is F.conv2d (compiled.route), which both exporters write as `Conv`. An ONNX file
 never runs kernelgen's kernels, so nothing of kernelgen is needed to load it.
 
-This module is for graphs captured earlier, which hold the operator `kernelgen::conv2d`:
+This module is for graphs captured earlier, which hold the operator `kernelgen::conv2d` (or, for a
+call with a fused epilogue, `kernelgen::conv2d_epilogue`, exported as Conv, Add and the activation):
 
     import kernelgen.onnx
     traced = torch.jit.trace(model, args)
@@ -40,10 +41,28 @@ def _aten(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
     return F.conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups)
 
 
+# kernelgen.ACTIVATIONS as torch computes them
+_ACTIVATIONS = {"relu": lambda y, s: F.relu(y), "relu6": lambda y, s: F.relu6(y),
+                "leaky_relu": lambda y, s: F.leaky_relu(y, s), "silu": lambda y, s: F.silu(y),
+                "gelu": lambda y, s: F.gelu(y), "hardswish": lambda y, s: F.hardswish(y),
+                "hardsigmoid": lambda y, s: F.hardsigmoid(y), "sigmoid": lambda y, s: torch.sigmoid(y)}
+
+
+def _aten_epilogue(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
+                   activation, negative_slope, residual):
+    """kernelgen::conv2d_epilogue as F.conv2d, then the residual add and the activation."""
+    y = _aten(input, weight, bias, stride, padding, padding_mode, dilation, groups)
+    if residual is not None:
+        y = y + residual
+    return y if activation is None else _ACTIVATIONS[activation](y, negative_slope)
+
+
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """`program` with every kernelgen::conv2d as aten.conv2d, which torch.onnx.export (and any other
-    consumer of an ExportedProgram that does not import kernelgen) knows."""
-    return program.run_decompositions({torch.ops.kernelgen.conv2d.default: _aten})
+    """`program` with every kernelgen::conv2d as aten.conv2d (and each fused epilogue as torch's add
+    and activation), which torch.onnx.export (and any other consumer of an ExportedProgram that
+    does not import kernelgen) knows."""
+    return program.run_decompositions({torch.ops.kernelgen.conv2d.default: _aten,
+                                       torch.ops.kernelgen.conv2d_epilogue.default: _aten_epilogue})
 
 
 def _attributes(stride, padding, padding_mode, dilation, groups, kernel_size) -> dict:
@@ -92,7 +111,35 @@ def translation_table() -> dict[Callable, Callable]:
         y = op.Conv(input, weight, **attrs) if bias is None else op.Conv(input, weight, bias, **attrs)
         return op.Squeeze(y, op.Constant(value_ints=[0])) if unbatched else y
 
-    return {torch.ops.kernelgen.conv2d.default: conv2d}
+    def activate(y, activation, slope):
+        if activation == "relu":
+            return op.Relu(y)
+        if activation == "relu6":
+            return op.Clip(y, op.CastLike(op.Constant(value_float=0.0), y), op.CastLike(op.Constant(value_float=6.0), y))
+        if activation == "leaky_relu":
+            return op.LeakyRelu(y, alpha=slope)
+        if activation == "silu":
+            return op.Mul(y, op.Sigmoid(y))
+        if activation == "gelu":  # the exact (erf) form: x * (1 + erf(x / sqrt 2)) / 2
+            half = op.CastLike(op.Constant(value_float=0.5), y)
+            root = op.CastLike(op.Constant(value_float=2.0 ** -0.5), y)
+            return op.Mul(op.Mul(y, half), op.Add(op.CastLike(op.Constant(value_float=1.0), y),
+                                                  op.Erf(op.Mul(y, root))))
+        if activation == "hardswish":
+            return op.HardSwish(y)
+        if activation == "hardsigmoid":  # torch's: relu6(x + 3) / 6
+            return op.HardSigmoid(y, alpha=1.0 / 6.0, beta=0.5)
+        return op.Sigmoid(y)
+
+    def conv2d_epilogue(input, weight, bias=None, stride=(1, 1), padding=(0, 0), padding_mode=None, dilation=(1, 1),
+                        groups=1, precision=None, family=None, tiles=None, activation=None, negative_slope=0.01,
+                        residual=None):
+        y = conv2d(input, weight, bias, stride, padding, padding_mode, dilation, groups)
+        if residual is not None:
+            y = op.Add(y, residual)
+        return y if activation is None else activate(y, activation, negative_slope)
+
+    return {torch.ops.kernelgen.conv2d.default: conv2d, torch.ops.kernelgen.conv2d_epilogue.default: conv2d_epilogue}
 
 
 torch.onnx.register_custom_op_symbolic("kernelgen::conv2d", _symbolic, _OPSET)

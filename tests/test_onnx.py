@@ -125,3 +125,37 @@ def test_captured_operator_exports_as_conv(form, name, shape, tmp_path):
                 data = _export(program, x, "dynamo", tmp_path / "m.onnx",
                                custom_translation_table=kg_onnx.translation_table())
     _check_runs(data, model, x, 2)
+
+
+class _Fused(torch.nn.Module):
+    """Calls with fused epilogues: every activation, one with a residual (kernelgen::conv2d_epilogue)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(4, 4, 3, 3) * 0.3)
+        self.b = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        for act in kernelgen.ACTIVATIONS:
+            x = kernelgen.conv2d(x, self.w, self.b, padding=1, activation=act, negative_slope=0.2,
+                                 residual=x if act == "relu" else None)
+        return x
+
+
+@pytest.mark.parametrize("form", ["decomposed program", "translation table"])
+def test_captured_epilogues_export_as_conv_add_and_activations(form, tmp_path):
+    kg_onnx = import_module("kernelgen.onnx")
+    model = _Fused().eval()
+    x = torch.randn(2, 4, 10, 10)
+    with torch.no_grad():
+        program = torch.export.export(model, (x,))
+        ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+        assert "kernelgen.conv2d_epilogue.default" in ops
+        if form == "decomposed program":
+            data = _export(kg_onnx.decompose(program), x, "dynamo", tmp_path / "m.onnx")
+        else:
+            data = _export(program, x, "dynamo", tmp_path / "m.onnx", custom_translation_table=kg_onnx.translation_table())
+    nodes = [n.op_type for n in onnx.load_from_string(data).graph.node]
+    assert nodes.count("Conv") == len(kernelgen.ACTIVATIONS) and "Add" in nodes
+    _check_runs(data, model, x, len(kernelgen.ACTIVATIONS))
