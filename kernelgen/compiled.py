@@ -95,32 +95,44 @@ def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
 
 
 @torch.library.custom_op("kernelgen::conv2d_backward", mutates_args=())
-def backward_op(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    """What a compiled graph's backward through conv2d runs: it explains, as an eager backward does.
-    (An operator rather than a formula that raises: a graph with parameters that require grad
-    traces its backward when it compiles, and must compile.)"""
-    from .functional import NO_BACKWARD
+def backward_op(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: list[int],
+                padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
+                precision: Optional[str], activation: Optional[str], needs: list[bool]) -> list[torch.Tensor]:
+    """What a compiled graph's backward through conv2d runs: the gradients autograd `needs` (input,
+    weight, bias, residual), each by kernelgen's forward kernels (gradients.backward); one not
+    needed is an empty tensor. (An operator, so that the backward graph holds one node.)"""
+    from .gradients import backward
 
-    raise NotImplementedError(NO_BACKWARD)
+    grads = backward(grad, input, weight, needs, stride, padding_mode or padding, dilation, groups, precision,
+                     activation)
+    return [g if g is not None else grad.new_empty(0) for g in grads]
 
 
 @backward_op.register_fake
-def _fake_backward(grad, input, weight, bias):
-    return [torch.empty_like(input), torch.empty_like(weight)] + ([] if bias is None else [torch.empty_like(bias)])
+def _fake_backward(grad, input, weight, stride, padding, padding_mode, dilation, groups, precision, activation, needs):
+    likes = (input, weight, weight.new_empty(weight.shape[0]), grad)
+    return [torch.empty_like(t) if n else grad.new_empty(0) for t, n in zip(likes, needs)]
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.params = inputs[3:9]  # stride, padding, padding_mode, dilation, groups, precision
     ctx.has_bias = inputs[2] is not None
+    ctx.activation = inputs[11] if len(inputs) > 11 else None
+    ctx.has_residual = len(inputs) > 13 and inputs[13] is not None
     ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, grad):
-    input, weight, bias = ctx.saved_tensors
-    grads = backward_op(grad, input, weight, bias if ctx.has_bias else None)
-    # (none for stride ... tiles and the epilogue's arguments: a residual's never comes, backward_op raises)
-    return (grads[0], grads[1], grads[2] if ctx.has_bias else None) + (None,) * (ctx.n_inputs - 3)
+    input, weight = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [bool(n[0]), bool(n[1]), ctx.has_bias and bool(n[2]), ctx.has_residual and bool(n[13])]
+    grads = backward_op(grad, input, weight, *ctx.params, ctx.activation, needs)
+    gi, gw, gb, gr = (g if need else None for g, need in zip(grads, needs))
+    out = [gi, gw, gb] + [None] * (ctx.n_inputs - 3)
+    if ctx.n_inputs > 13:
+        out[13] = gr
+    return tuple(out)
 
 
 conv2d_op.register_autograd(_backward, setup_context=_setup_context)

@@ -214,7 +214,7 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         plan = _new_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        return _no_backward().apply(plan, input, weight, bias)
+        return _autograd().apply(plan, (stride, padding, dilation, groups, precision, None), input, weight, bias)
     return _run(plan, input, weight, bias)
 
 
@@ -271,7 +271,8 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)
                                     or (residual is not None and residual.requires_grad)):
-        return _no_backward().apply(plan, input, weight, bias, residual, alpha)
+        return _autograd().apply(plan, (stride, padding, dilation, groups, precision, activation), input, weight,
+                                 bias, residual, alpha)
     return _run(plan, input, weight, bias, residual=residual, alpha=alpha)
 
 
@@ -680,30 +681,34 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y.squeeze(0) if plan.squeeze else y
 
 
-NO_BACKWARD = ("kernelgen.conv2d has no backward kernels yet: it computes forward passes (inference). Train with "
-               "torch.nn.functional.conv2d, or run kernelgen under torch.no_grad()/torch.inference_mode().")
-
-
 @functools.lru_cache(maxsize=None)
-def _no_backward() -> type:
-    """The autograd Function that carries requires_grad through the forward; its backward
-    explains what is missing.
+def _autograd() -> type:
+    """The autograd Function of a call whose tensors require grad: its backward computes the
+    gradients with kernelgen's own forward kernels (gradients.backward), only those autograd needs.
 
     Defined on first use: creating an autograd.Function subclass (torch makes a second
     class for its backward node) costs a process ~0.1 ms, which an inference process, or
     a warm start, need not pay at import.
     """
 
-    class _NoBackward(torch.autograd.Function):
+    class _Conv2d(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, plan, input, weight, bias, residual=None, alpha=0):  # type: ignore[override]
+        def forward(ctx, plan, params, input, weight, bias, residual=None, alpha=0):  # type: ignore[override]
+            ctx.params = params  # stride, padding, dilation, groups, precision, activation: as the call gave them
+            ctx.save_for_backward(input, weight)
             return _run(plan, input, weight, bias, residual=residual, alpha=alpha)
 
         @staticmethod
         def backward(ctx, grad):  # type: ignore[override]
-            raise NotImplementedError(NO_BACKWARD)
+            from .gradients import backward
 
-    return _NoBackward
+            input, weight = ctx.saved_tensors
+            stride, padding, dilation, groups, precision, activation = ctx.params
+            needs = (tuple(ctx.needs_input_grad[2:6]) + (False,) * 4)[:4]  # (residual: where it was given)
+            grads = backward(grad, input, weight, needs, stride, padding, dilation, groups, precision, activation)
+            return (None, None, *grads, None)
+
+    return _Conv2d
 
 
 def clear_plans() -> None:

@@ -249,3 +249,25 @@ def bias_grad(grad_out: torch.Tensor) -> torch.Tensor:
     if grad_out.dtype in (torch.float16, torch.bfloat16):
         return grad_out.sum(dims, dtype=torch.float32).to(grad_out.dtype)
     return grad_out.sum(dims)
+
+
+def backward(grad_out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, needs, stride, padding, dilation,
+             groups: int, precision: str | None = None, activation: str | None = None) -> tuple:
+    """(grad_input, grad_weight, grad_bias, grad_residual) of a kernelgen.conv2d call, each None where
+    `needs` (four bools: input, weight, bias, residual, as autograd's needs_input_grad) says it is not
+    wanted: what the call's autograd (eager and the compiled operator's) runs. A residual's gradient
+    is grad_out itself. Raises for what has no backward yet: a fused activation (its derivative
+    needs the pre-activation, which the forward does not keep) and double backward."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError("kernelgen.conv2d: double backward (create_graph=True) is not supported; its "
+                                  "gradients are computed without a graph of their own")
+    if activation is not None:
+        raise NotImplementedError(f"kernelgen.conv2d: no backward through a fused activation ({activation!r}) yet; "
+                                  "train with the activation as its own op (kernelgen.convert(..., fuse=False))")
+    need_input, need_weight, need_bias, need_residual = (bool(n) for n in needs)
+    return (input_grad(grad_out, weight, input.shape, stride, padding, dilation, groups, precision=precision)
+            if need_input else None,
+            weight_grad(grad_out, input, weight.shape, stride, padding, dilation, groups, precision=precision)
+            if need_weight else None,
+            bias_grad(grad_out) if need_bias else None,
+            grad_out if need_residual else None)

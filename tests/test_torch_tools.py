@@ -124,8 +124,8 @@ def test_profiled_call_keeps_autograd_and_errors():
         with pytest.raises(RuntimeError, match="groups"):
             kernelgen.conv2d(x, w, groups=3)
     assert y.requires_grad and torch.allclose(y, F.conv2d(x, w, padding=1), rtol=1e-5, atol=1e-5)
-    with pytest.raises(NotImplementedError, match="no backward kernels"):
-        y.sum().backward()
+    y.sum().backward()
+    assert w.grad is not None
 
 
 def test_jit_trace_records_the_operator(tmp_path):
