@@ -4,30 +4,20 @@ error row while the others go on, the time budget, and the accuracy flag."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernelgen
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_modules import load
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
-
-bench = _load("bench_networks")
+bench = load("bench_networks")
 
 # Small and few: one cell, a 16x16 image, one timed forward a round. The CPU's kernels do not
 # depend on the batch, so batch 2 compiles nothing more than batch 1.

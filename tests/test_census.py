@@ -3,29 +3,20 @@ budget and summary logic (with the timing stubbed out)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_modules import load
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # networks.py imports census by name: give it this one
-    spec.loader.exec_module(module)
-    return module
 
-
-census = _load("census")
-networks = _load("networks")
+census = load("census")
+networks = load("networks")
 SAMPLE = census.layers()
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import kernelgen
 from kernelgen import tuner
+from model_state import assert_same_state, snapshot
 
 pytestmark = pytest.mark.compile
 
@@ -88,22 +89,12 @@ def _x(dtype=torch.float32, n=2):
     return torch.randn(n, 3, 12, 12, generator=torch.Generator().manual_seed(1), dtype=dtype)
 
 
-def _state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _assert_same_state(a, b):
-    assert list(a) == list(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 def test_convert_swaps_every_conv_keeping_parameters_state_and_hooks():
     model = _net()
     x = _x().contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         ref = model(x)
-    state, params = _state(model), {n: p for n, p in model.named_parameters()}
+    state, params = snapshot(model), {n: p for n, p in model.named_parameters()}
     seen = []
     model.dw.register_forward_hook(lambda m, i, o: seen.append(o.shape))
 
@@ -114,7 +105,7 @@ def test_convert_swaps_every_conv_keeping_parameters_state_and_hooks():
     assert convs["own"] is OwnConv2d  # computes its own convolution: left alone
     assert isinstance(model.ws, WSConv2d) and type(model.ws).forward is WSConv2d.forward
     assert {n: p for n, p in model.named_parameters()} == params  # the same Parameter objects
-    _assert_same_state(model.state_dict(), state)
+    assert_same_state(model.state_dict(), state)
     assert not model.training and not model.dw.training
     with torch.no_grad():
         out = model(x)
@@ -130,21 +121,21 @@ def test_revert_round_trip_is_bit_identical():
     with torch.no_grad():
         ref = model.eval()(x)
     model.train()
-    state = _state(model)
+    state = snapshot(model)
     kernelgen.revert(kernelgen.convert(model))
     assert model.training and model.stem[0].training
     assert type(model.stem[0]) is nn.Conv2d and type(model.ws) is WSConv2d and type(model.own) is OwnConv2d
     assert not any(hasattr(m, "kernelgen_layer") or "precision" in m.__dict__ for m in model.modules())
-    _assert_same_state(model.state_dict(), state)
+    assert_same_state(model.state_dict(), state)
     with torch.no_grad():
         assert torch.equal(model.eval()(x), ref)
 
 
 def test_revert_turns_a_kernelgen_conv2d_into_torchs():
     m = kernelgen.Conv2d(8, 8, 3, padding=1)
-    state = _state(m)
+    state = snapshot(m)
     assert type(kernelgen.revert(m)) is nn.Conv2d
-    _assert_same_state(m.state_dict(), state)
+    assert_same_state(m.state_dict(), state)
     assert "precision" not in m.__dict__
 
 
@@ -199,10 +190,10 @@ def test_fold_bn_by_module_patterns_where_fx_cannot_trace():
 
 def test_fold_bn_refuses_training_mode():
     model = _net().train()
-    state = _state(model)
+    state = snapshot(model)
     with pytest.raises(ValueError, match="eval mode"):
         kernelgen.convert(model, fold_bn=True)
-    _assert_same_state(model.state_dict(), state)  # nothing folded
+    assert_same_state(model.state_dict(), state)  # nothing folded
     model.eval()
     model.bn1.train()
     with pytest.raises(ValueError, match="bn1 is in training mode"):

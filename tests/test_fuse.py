@@ -23,6 +23,7 @@ import kernelgen.conversion
 import kernelgen.functional
 import kernelgen.nn
 from kernelgen import tuner
+from model_state import assert_same_state, snapshot
 
 pytestmark = pytest.mark.compile  # with the kernel side merged, the fused calls build real kernels
 
@@ -88,16 +89,6 @@ def _assert_accurate(out, unfused, *inputs):
 
 def _fused(model):
     return {r["name"]: r["fused"] for r in kernelgen.report(model).rows if r["fused"] is not None}
-
-
-def _state(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _assert_same_state(a, b):
-    assert list(a) == list(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 # --- models -------------------------------------------------------------------------------------------
@@ -197,7 +188,7 @@ class Untraceable(nn.Module):
 def test_conv_bn_relu_sequential_becomes_fused_convs(calls):
     model, x = _build(conv_bn_relu), _x()
     unfused = copy.deepcopy(model)
-    state = _state(model)
+    state = snapshot(model)
     assert kernelgen.convert(model, x, fold_bn=True, fuse=True) is model  # in place, like every convert
     assert type(model) is nn.Sequential and isinstance(model.forward, kernelgen.conversion.FusedForward)
     assert [type(m) for m in model] == [kernelgen.Conv2d, nn.Identity, nn.ReLU, kernelgen.Conv2d, nn.Identity,
@@ -490,11 +481,11 @@ def test_autocast_residual_of_another_dtype_keeps_torchs_semantics(calls, inplac
 
 def test_fuse_needs_eval_mode_and_training_mode_runs_unfused(calls):
     model = _build(TinyResNet).train()
-    state = _state(model)
+    state = snapshot(model)
     with pytest.raises(ValueError, match="fuse=True needs the model in eval mode"):
         kernelgen.convert(model, fuse=True)
     assert not any(hasattr(m, "kernelgen_layer") for m in model.modules())
-    _assert_same_state(model.state_dict(), state)
+    assert_same_state(model.state_dict(), state)
     model.eval()
     kernelgen.convert(model, fuse=True)
     model.train()
@@ -543,14 +534,14 @@ def test_revert_round_trip_is_bit_identical_and_keeps_state(calls):
     model, x = _build(TinyResNet), _x(3)
     with torch.no_grad():
         ref = model(x)
-    state = _state(model)
+    state = snapshot(model)
     kernelgen.convert(model, x, fuse=True)  # (no fold_bn, which revert does not undo)
-    _assert_same_state(model.state_dict(), state)  # fusing alone changes no parameter or key
+    assert_same_state(model.state_dict(), state)  # fusing alone changes no parameter or key
     assert kernelgen.revert(model) is model
     assert "forward" not in model.__dict__ and type(model.layer1[0].conv3) is nn.Conv2d
     assert not any(isinstance(m.__dict__.get("forward"), kernelgen.conversion.FusedForward)
                    for m in model.modules())
-    _assert_same_state(model.state_dict(), state)
+    assert_same_state(model.state_dict(), state)
     with torch.no_grad():
         assert torch.equal(model(x), ref)
 

@@ -3,25 +3,15 @@ model on the GPU facts the table was measured with."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_modules import ROOT, load
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
-
-make_table = _load("make_table")
+make_table = load("make_table")
 
 
 def test_shipped_tables_models_are_fitted_to_their_rows_by_todays_cost_hooks(tmp_path):
