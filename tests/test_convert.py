@@ -19,7 +19,7 @@ from torch import nn
 
 import kernelgen
 from kernelgen import tuner
-from model_state import assert_same_state, snapshot
+from model_state import assert_same_state, randomise_bn, snapshot
 
 pytestmark = pytest.mark.compile
 
@@ -67,22 +67,9 @@ class Net(nn.Module):
         return self.bn3(y) + y  # y read twice: bn3 stays
 
 
-def _randomise_bn(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            n = m.num_features
-            m.running_mean.copy_(torch.rand(n, generator=g) * 2 - 1)
-            m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.5)
-            with torch.no_grad():
-                m.weight.copy_(torch.rand(n, generator=g) + 0.5)
-                m.bias.copy_(torch.rand(n, generator=g) - 0.5)
-    return model
-
-
 def _net(dtype=torch.float32):
     torch.manual_seed(0)
-    return _randomise_bn(Net()).to(dtype).eval()
+    return randomise_bn(Net()).to(dtype).eval()
 
 
 def _x(dtype=torch.float32, n=2):
@@ -177,7 +164,7 @@ class Untraceable(nn.Module):
 
 def test_fold_bn_by_module_patterns_where_fx_cannot_trace():
     torch.manual_seed(0)
-    model, x = _randomise_bn(Untraceable()).eval(), _x()
+    model, x = randomise_bn(Untraceable()).eval(), _x()
     with pytest.raises(Exception):
         torch.fx.symbolic_trace(model)
     with torch.no_grad():
@@ -234,7 +221,7 @@ class TinyResNet(nn.Module):
 
 def test_resnet_block_fold_report_and_round_trip():
     torch.manual_seed(0)
-    model, x = _randomise_bn(TinyResNet()).eval(), _x()
+    model, x = randomise_bn(TinyResNet()).eval(), _x()
     original = copy.deepcopy(model)
     with torch.no_grad():
         ref = model(x)
@@ -385,7 +372,7 @@ class Shared(nn.Module):
 
 def test_a_shared_conv_is_converted_once_and_not_folded():
     torch.manual_seed(0)
-    model, x = _randomise_bn(Shared()).eval(), torch.randn(2, 8, 12, 12)
+    model, x = randomise_bn(Shared()).eval(), torch.randn(2, 8, 12, 12)
     with torch.no_grad():
         ref = model(x)
     kernelgen.convert(model, x, fold_bn=True)

@@ -23,7 +23,7 @@ import kernelgen.conversion
 import kernelgen.functional
 import kernelgen.nn
 from kernelgen import tuner
-from model_state import assert_same_state, snapshot
+from model_state import assert_same_state, randomise_bn, snapshot
 
 pytestmark = pytest.mark.compile  # with the kernel side merged, the fused calls build real kernels
 
@@ -54,22 +54,9 @@ def calls(monkeypatch) -> list[dict]:
 
 # --- helpers ------------------------------------------------------------------------------------------
 
-def _randomise_bn(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            n = m.num_features
-            m.running_mean.copy_(torch.rand(n, generator=g) * 2 - 1)
-            m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.5)
-            with torch.no_grad():
-                m.weight.copy_(torch.rand(n, generator=g) + 0.5)
-                m.bias.copy_(torch.rand(n, generator=g) - 0.5)
-    return model
-
-
 def _build(cls, *args, seed=0, **kwargs):
     torch.manual_seed(seed)
-    return _randomise_bn(cls(*args, **kwargs)).eval()
+    return randomise_bn(cls(*args, **kwargs)).eval()
 
 
 def _x(c=8, n=2, hw=12, seed=1, dtype=torch.float32):
