@@ -78,6 +78,8 @@ def lookup(weight: torch.Tensor, key: str, nbytes: int, stream: int) -> tuple[_P
     capturing = weight.is_cuda and _capturing()
     if capturing and not _frozen:
         return None, False  # (the capture packs into its own memory: replays see in-place changes)
+    if weight.is_inference():
+        return None, False  # (made under inference_mode: no version counter to see a change by)
     wid = id(weight)
     entry = _packs.get(wid)
     if entry is None or entry[0]() is not weight:

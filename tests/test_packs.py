@@ -150,3 +150,15 @@ def test_frozen_weights_changes_nothing_outside_capture():
         functional._run(plan, x, w, None)
     assert [ready for _, ready in launch.calls] == [False, True, False]
     assert packs._frozen == 0
+
+
+def test_an_inference_tensor_is_packed_every_call():
+    # made under torch.inference_mode, a weight has no version counter: nothing to see a change by
+    with torch.inference_mode():
+        w = torch.randn(8, 4, 1, 1)
+    launch = FakeLaunch()
+    plan, x = _plan(launch, w)
+    for _ in range(2):
+        functional._run(plan, x, w, None)
+    assert [ready for _, ready in launch.calls] == [False, False]
+    assert not packs._packs

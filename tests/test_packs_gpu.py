@@ -123,3 +123,10 @@ def test_freed_weights_free_their_packing():
     n = len(packs._packs)
     del w
     assert len(packs._packs) == n - 1
+
+
+def test_inference_mode_weights_pack_every_call():
+    with torch.inference_mode():
+        x, w = _tensors((2, 64, 32, 32), (128, 64, 1, 1), False, torch.float32)
+        for _ in range(2):
+            _check(kernelgen.conv2d(x, w, family="pointwise_tma"), x, w, {})
