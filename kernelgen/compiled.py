@@ -11,9 +11,9 @@ eager call.
 The operators are defined when kernelgen is imported (about 5 ms): Dynamo must find them defined,
 not trace their definitions. The call's arguments go in forms a schema can hold: stride, dilation
 and padding as int lists (padding 'same' or 'valid' as `padding_mode`), tiles as JSON. conv2d has
-no backward kernels, so the operator's backward is a second operator, `kernelgen::conv2d_backward`,
-that raises what an eager backward raises when it runs: a graph whose parameters require grad
-still compiles (its backward is traced then) and runs forward.
+no gradient formula of torch's, so the operator's backward is a second operator,
+`kernelgen::conv2d_backward`, which computes the gradients as an eager backward does (gradients.py):
+a compiled graph's backward holds one node for it.
 
 A call with a fused epilogue (activation, residual) is the operator `kernelgen::conv2d_epilogue`,
 whose schema is conv2d's and the epilogue's three arguments, with the same implementations: a graph
@@ -184,23 +184,30 @@ def _slope(activation, value) -> float:
     return float(value)
 
 
+_F = torch.nn.functional
+# kernelgen.ACTIVATIONS as torch computes them, (y, negative_slope) -> tensor: the fused epilogue's
+# semantics, wherever torch's own operators compute it (ONNX export, decompositions, conversion).
+TORCH_ACTIVATIONS = {
+    "relu": lambda y, slope: _F.relu(y), "relu6": lambda y, slope: _F.relu6(y),
+    "leaky_relu": lambda y, slope: _F.leaky_relu(y, slope), "silu": lambda y, slope: _F.silu(y),
+    "gelu": lambda y, slope: _F.gelu(y), "hardswish": lambda y, slope: _F.hardswish(y),
+    "hardsigmoid": lambda y, slope: _F.hardsigmoid(y), "sigmoid": lambda y, slope: torch.sigmoid(y),
+}
+
+
 def epilogue(y: torch.Tensor, activation: str | None, negative_slope: float = 0.01,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """activation(y + residual) by torch's own operators: the fused epilogue's semantics, as
     torch.onnx.export records it."""
-    F = torch.nn.functional
     if residual is not None:
         y = y + residual
     if activation is None:
         return y
-    acts = {"relu": F.relu, "relu6": F.relu6, "silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish,
-            "hardsigmoid": F.hardsigmoid, "sigmoid": torch.sigmoid,
-            "leaky_relu": lambda t: F.leaky_relu(t, negative_slope)}
-    if activation not in acts:
+    if activation not in TORCH_ACTIVATIONS:
         from .checks import check_activation
 
         check_activation(activation)
-    return acts[activation](y)
+    return TORCH_ACTIVATIONS[activation](y, negative_slope)
 
 
 def route(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,

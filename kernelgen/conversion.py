@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import compiled
 from .functional import conv2d
 from .kernels import count
 from .nn import Conv2d as KgConv2d
@@ -342,18 +343,9 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
 
 # --- epilogue fusion ------------------------------------------------------------------------------
 
-# kernelgen.conv2d's activations as torch computes them (torch's semantics, which the kernels
-# follow): a fused call whose residual the kernel cannot take applies its activation with these.
-TORCH_ACTIVATIONS = {
-    "relu": lambda y, slope: F.relu(y),
-    "relu6": lambda y, slope: F.relu6(y),
-    "leaky_relu": lambda y, slope: F.leaky_relu(y, slope),
-    "silu": lambda y, slope: F.silu(y),
-    "gelu": lambda y, slope: F.gelu(y),
-    "hardswish": lambda y, slope: F.hardswish(y),
-    "hardsigmoid": lambda y, slope: F.hardsigmoid(y),
-    "sigmoid": lambda y, slope: torch.sigmoid(y),
-}
+# kernelgen.conv2d's activations as torch computes them: a fused call whose residual the kernel
+# cannot take applies its activation with these.
+TORCH_ACTIVATIONS = compiled.TORCH_ACTIVATIONS
 
 _MODULE_ACTIVATIONS = {nn.ReLU: "relu", nn.ReLU6: "hardtanh", nn.Hardtanh: "hardtanh", nn.LeakyReLU: "leaky_relu",
                        nn.SiLU: "silu", nn.GELU: "gelu", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid",

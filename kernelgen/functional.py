@@ -177,8 +177,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         float32). residual: None or a tensor of exactly the output's shape, dtype and device
         (any strides).
 
-    Autograd: the forward is differentiable-aware but kernelgen has no backward
-    kernels yet; calling backward through it raises NotImplementedError.
+    Autograd: the gradients are computed by kernelgen's own forward kernels (gradients.py);
+    backward through a fused activation, and double backward, raise NotImplementedError.
 
     Under torch.autocast the call computes in the region's dtype, as F.conv2d does.
     """

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.onnx import symbolic_helper
 
-from . import compiled  # noqa: F401  (defines the operator this module translates)
+from . import compiled  # (defines the operators this module translates)
 
 # The symbolic serves this opset and every later one; Conv, Unsqueeze and Squeeze with the inputs
 # and attributes used here are in opset 13 and every later one.
@@ -41,20 +41,11 @@ def _aten(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
     return F.conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups)
 
 
-# kernelgen.ACTIVATIONS as torch computes them
-_ACTIVATIONS = {"relu": lambda y, s: F.relu(y), "relu6": lambda y, s: F.relu6(y),
-                "leaky_relu": lambda y, s: F.leaky_relu(y, s), "silu": lambda y, s: F.silu(y),
-                "gelu": lambda y, s: F.gelu(y), "hardswish": lambda y, s: F.hardswish(y),
-                "hardsigmoid": lambda y, s: F.hardsigmoid(y), "sigmoid": lambda y, s: torch.sigmoid(y)}
-
-
 def _aten_epilogue(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
                    activation, negative_slope, residual):
     """kernelgen::conv2d_epilogue as F.conv2d, then the residual add and the activation."""
-    y = _aten(input, weight, bias, stride, padding, padding_mode, dilation, groups)
-    if residual is not None:
-        y = y + residual
-    return y if activation is None else _ACTIVATIONS[activation](y, negative_slope)
+    return compiled.epilogue(_aten(input, weight, bias, stride, padding, padding_mode, dilation, groups),
+                             activation, negative_slope, residual)
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
