@@ -29,9 +29,8 @@ from kernelgen.families import all_families, get_family
 from kernelgen.render import render
 from kernelgen.spec import ACTIVATIONS, ConvSpec, Problem
 from kernelgen.toolchain import current
+from activations import ACTS, activate
 
-ACTS = {"relu": F.relu, "relu6": F.relu6, "silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish,
-        "hardsigmoid": F.hardsigmoid, "sigmoid": torch.sigmoid}
 
 
 def expected(x, w, b, activation=None, negative_slope=0.01, residual=None, **kw):
@@ -39,9 +38,7 @@ def expected(x, w, b, activation=None, negative_slope=0.01, residual=None, **kw)
     y = F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw)
     if residual is not None:
         y = y + residual.double()
-    if activation == "leaky_relu":
-        return F.leaky_relu(y, negative_slope)
-    return y if activation is None else ACTS[activation](y)
+    return activate(y, activation, negative_slope)
 
 
 def rel_err(y, ref) -> float:

@@ -33,6 +33,7 @@ from kernelgen.errors import Unsupported
 from kernelgen.families import get_family
 from kernelgen.functional import candidates_for, spec_for
 from kernelgen.spec import ConvSpec, Problem
+from activations import activate
 
 pytestmark = pytest.mark.gpu
 
@@ -1193,17 +1194,11 @@ def make_residual(case: Case, out: torch.Tensor, device: str = "cuda") -> torch.
     return r
 
 
-_ACTS = {"relu": F.relu, "relu6": F.relu6, "silu": F.silu, "gelu": F.gelu, "hardswish": F.hardswish,
-         "hardsigmoid": F.hardsigmoid, "sigmoid": torch.sigmoid}
-
-
 def finish(case: Case, y: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     """torch's epilogue on a convolution's output `y`, in y's dtype: the residual, the activation."""
     if r is not None:
         y = y + r.to(y.dtype)
-    if case.activation == "leaky_relu":
-        return F.leaky_relu(y, slope(case))
-    return y if case.activation is None else _ACTS[case.activation](y)
+    return activate(y, case.activation, slope(case))
 
 
 def make_gemv_cases(n: int, seed: int = 5113) -> list[Case]:
