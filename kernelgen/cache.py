@@ -410,7 +410,7 @@ class Cache:
             log.warning("kernelgen cache %s is read-only: building %s in a temporary directory "
                         "(it will not be kept)", self.root, spec.summary())
             with tempfile.TemporaryDirectory(prefix="kernelgen-") as tmp:
-                log.info("kernelgen: compiling %s for %s (not cached)", spec.summary(), toolchain.arch)
+                log.debug("kernelgen: compiling %s for %s (not cached)", spec.summary(), toolchain.arch)
                 built = build(rendered, toolchain, module_name(key), Path(tmp))
                 if on_compile:
                     on_compile(spec, key, built)
@@ -449,7 +449,7 @@ class Cache:
         staging = self.root / "staging" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         staging.mkdir(mode=0o700)
         name = module_name(key)
-        log.info("kernelgen: compiling %s for %s (key %s)", spec.summary(), toolchain.arch, key[:16])
+        log.debug("kernelgen: compiling %s for %s (key %s)", spec.summary(), toolchain.arch, key[:16])
         try:
             built = build(rendered, toolchain, name, staging)
         except Exception:
@@ -480,7 +480,10 @@ class Cache:
             shutil.rmtree(target, ignore_errors=True)
         os.rename(staging, target)
         built.path = target / so.name
-        log.info("kernelgen: compiled %s in %.1f s", spec.summary(), built.seconds)
+        # (DEBUG: a call's compile is logged once, at INFO, by functional._log_plan; warm and tune
+        # draw their own progress)
+        log.debug("kernelgen: compiled %s for %s in %.1f s (key %s)", spec.summary(), toolchain.arch,
+                  built.seconds, key[:16])
         return built
 
     def _sweep_staging(self, held: str | None = None) -> None:

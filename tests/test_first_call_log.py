@@ -24,6 +24,8 @@ def test_compiles_are_logged_first_at_warning_then_at_info(fresh_cache, monkeypa
         kernelgen.conv2d(x, w)
         first = [r for r in caplog.records if r.name == "kernelgen" and r.levelno == logging.WARNING]
         assert len(first) == 1
+        # one line a compile above DEBUG: the cache's own lines are DEBUG
+        assert len([r for r in caplog.records if r.levelno >= logging.INFO]) == 1
         text = first[0].getMessage()
         assert "(1, 3, 6, 6)" in text and "cpu_direct[" in text and " s: " in text and "kernelgen warm" in text
         assert "\n" not in text
@@ -32,6 +34,7 @@ def test_compiles_are_logged_first_at_warning_then_at_info(fresh_cache, monkeypa
         kernelgen.conv2d(torch.randn(2, 3, 8, 8), w, padding=1)  # another kernel: INFO, not WARNING again
         levels = [r.levelno for r in caplog.records if r.getMessage().startswith("compiled conv2d(")]
         assert levels == [logging.INFO]
+        assert len([r for r in caplog.records if r.levelno >= logging.INFO]) == 1
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
         caplog.clear()
