@@ -8,7 +8,7 @@ after warm-up, taken in alternating rounds, everything conv2d does per call incl
 measures the card's copy
 bandwidth and GEMM peaks to compute each case's floor (for strict float32 on tensor cores,
 the 3xTF32 it runs: three TF32 products a multiply-add), and checks accuracy against
-float64 per ../shared/PERF.md. Accuracy is measured on the first two images of the
+float64 per docs/performance.md's accuracy rules. Accuracy is measured on the first two images of the
 batch (errors are per image; the float64 reference of a whole batch of case 63 would
 need 17 GB); every output element of the timed call is checked to be finite.
 """
@@ -56,7 +56,7 @@ CASES = {
     "stem": Case("stem 7x7 stride 2", 32, 3, 64, 224, 224, (7, 7), stride=2, padding=3),
 }
 
-# Targets in ms on the H100 (../shared/PERF.md).
+# Targets in ms on the H100 (the project's performance notes).
 TARGETS = {
     "87": {"tf32": 4.50, "ieee": 5.5, "bf16": 2.4},
     "56": {"tf32": 1.90, "ieee": 13.0, "bf16": 1.2},

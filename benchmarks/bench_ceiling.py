@@ -3,7 +3,7 @@
     python benchmarks/bench_ceiling.py [--json out.json]
 
 Case 87 (1x1, 64 -> 128 channels, 16 x 1024 x 1024) reads 4.3 GB and writes 8.6 GB (bf16: half
-of each). The PERF.md floor divides those bytes by the card's copy bandwidth, but a copy reads
+of each). The bytes floor divides those bytes by the card's copy bandwidth, but a copy reads
 and writes equal amounts; 87 writes twice what it reads. This script times a kernel that
 does nothing but 87's movement, y[n, c] = x[n, c // 2] for every output plane, in the way
 a tiled convolution does it (a block per 256 x 4 pixels of an image, every channel, 16-byte

@@ -5,7 +5,7 @@ mostly small: 7x7 to 56x56 planes with hundreds of channels, strided 3x3s, 1x1 p
 depthwise and grouped convolutions, and, in mixed-precision training and inference, channels_last
 tensors. This script times kernelgen and F.conv2d on such layers in the same process (medians of
 CUDA-event-timed runs in alternating rounds, as bench_cases.py does), checks each output against
-float64 by the rules of ../shared/PERF.md, and prints one table with the family each call ran
+float64 by the accuracy rules of docs/performance.md, and prints one table with the family each call ran
 on, then a summary per precision and memory format: how many layers kernelgen wins, loses, and
 the geometric mean of the speedups.
 
@@ -136,8 +136,8 @@ def warm(layers, precisions, formats) -> None:
 
 
 def accuracy_bound(precision: str, x, w, b, kw: dict, ref, torch_err: float) -> tuple[float, str]:
-    """(bound, rule) on the relative error against `ref` (float64) by ../shared/PERF.md: 1e-5 for
-    exact float32 (and float64); for TF32 1.5x the larger of F.conv2d's error and TF32's own, the
+    """(bound, rule) on the relative error against `ref` (float64) by the accuracy rules
+    (docs/performance.md): 1e-5 for exact float32 (and float64); for TF32 1.5x the larger of F.conv2d's error and TF32's own, the
     exact convolution of the TF32-rounded operands (cuDNN runs some layers in full float32 even
     with TF32 allowed: depthwise, small ones); for 16-bit 1.5x F.conv2d's."""
     if precision in ("ieee", "fp64"):

@@ -23,7 +23,7 @@ Times are medians of CUDA-event-timed forwards after warm-up, the variants takin
 round (bench_cases.rounds_ms); speedups are eager's time over the variant's. Accuracy: each
 variant's logits against a float64 run of the same model (its weights and input upcast), as
 ‖y − y64‖ / ‖y64‖ beside eager's own error, flagged past 1.5x eager's and past 1e-5 (the strict
-float32 bar of ../shared/PERF.md, under which both are float32 rounding); and top-1 agreement
+float32 bar of docs/performance.md's accuracy rules, under which both are float32 rounding); and top-1 agreement
 with eager's logits and with float64's. Before a (network, cell, batch) is timed, the kernels its
 conversions will call are found on the meta device and compiled in parallel
 (kernelgen.warm.warm_specs, KERNELGEN_JOBS workers). A variant that raises is an error row; the
@@ -68,8 +68,8 @@ from networks import NETWORKS, _torchvision  # noqa: E402
 TINY = "tiny"
 CELLS = {"fp32-nchw": (torch.float32, torch.contiguous_format), "bf16-cl": (torch.bfloat16, torch.channels_last)}
 BATCHES = (1, 32)
-# A variant's error past FLAG_RATIO times eager's is flagged (../shared/PERF.md), unless it is within
-# PERF.md's bar for strict float32: there both are float32 rounding, whose ratio is noise.
+# A variant's error past FLAG_RATIO times eager's is flagged (docs/performance.md's accuracy rules), unless it is within
+# the accuracy rules' bar for strict float32: there both are float32 rounding, whose ratio is noise.
 FLAG_RATIO, STRICT_FP32 = 1.5, 1e-5
 
 

@@ -13,7 +13,7 @@ rather than as a difference between variants. The same file warms the cache with
 
 Each row: the variant's spec (family and tiles as resolved), its stream time (20 calls queued
 behind a GPU sleep, as bench_layers.py times, taken again while held up) and latency against
-F.conv2d's, and its error against float64 by the rules of ../shared/PERF.md. A float32 record
+F.conv2d's, and its error against float64 by the accuracy rules of docs/performance.md. A float32 record
 without `precision` runs as TF32 (torch's default for convolutions). Inputs are seeded random
 normals, weights scaled by their fan-in; a channels_last record makes both input and weight
 channels_last, as a channels_last model's are.

@@ -6,7 +6,7 @@ weights modelled on what torchvision's and timm's networks contain (1x1s, k x k,
 first layers, strided, dilated, grouped, depthwise, squeeze-excitation; batches 1-64, planes
 1-224, channel counts typical and odd) and times each in six cells (precision tf32, ieee, bf16
 x memory format nchw, cl) with bench_layers.py's back-to-back "stream" timing, checking each
-output against float64 by the rules of ../shared/PERF.md.
+output against float64 by the accuracy rules of docs/performance.md.
 
     python benchmarks/census.py [--seed 0] [--n 320] [--cells tf32-nchw,bf16-cl,...] [--budget-s 480]
                                 [--tune] [--top 4] [--networks] [--json out.json] [--list]

@@ -4,7 +4,7 @@ The logic shared by the five examples and `run_all.py`: each example file holds 
 the problem (Model, its test-code constants, get_inputs, get_init_inputs) and the
 kernelgen module (ModelNew); everything that checks and times the pair lives here.
 
-Accuracy, following docs PERF.md. Every check draws fresh random inputs the way the
+Accuracy, following docs/performance.md's accuracy rules. Every check draws fresh random inputs the way the
 problem does (`torch.rand`), runs Model and ModelNew with the same weights, and
 measures two things:
 

@@ -5,7 +5,7 @@ selector's ranking of what the families can run (functional.candidates_for: the 
 first, then the other families' first choices, then more configurations of each), build the
 first `top` of them in parallel worker processes, run each on the call's own tensors into an
 output poisoned with NaN, check it against F.conv2d computed in float64 on the first images by
-the accuracy rules of PERF.md, time the accurate ones by CUDA events (calls queued back to back,
+the accuracy rules (docs/performance.md), time the accurate ones by CUDA events (calls queued back to back,
 the candidates taking turns, the median of several rounds) and keep the fastest. The untuned
 choice is always a candidate, so a tuned call is never slower than it, by this measurement. The
 choice goes into the call's plan record (plans.py), keyed by the GPU model and the toolchain: a
@@ -187,7 +187,7 @@ def measure(args: dict, specs: list, call, built: Mapping) -> list[tuple]:
 
 def _reference(args: dict) -> tuple[torch.Tensor, float]:
     """(F.conv2d in float64 on the first two images, its epilogue too, the relative error a
-    candidate may have): PERF.md's rules, 1e-5 for exact float32; for TF32 1.5x the larger of
+    candidate may have): the accuracy rules, 1e-5 for exact float32; for TF32 1.5x the larger of
     F.conv2d's own and the exact convolution of TF32-rounded operands; for 16-bit 1.5x F.conv2d's
     own (torch's epilogue after it, in the call's dtype)."""
     import torch.nn.functional as F

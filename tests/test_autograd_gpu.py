@@ -1,5 +1,5 @@
 """kernelgen.conv2d through autograd on the GPU (issue 56): gradients from kernelgen's own kernels
-against float64 per PERF.md's accuracy rules (no worse than 1.5x cuDNN's own error in the same
+against float64 per docs/performance.md's accuracy rules (no worse than 1.5x cuDNN's own error in the same
 precision), bit-identical across runs (no family reduces with atomics), and a few training steps of a
 small converted network beside torch's."""
 

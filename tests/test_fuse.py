@@ -64,7 +64,7 @@ def _x(c=8, n=2, hw=12, seed=1, dtype=torch.float32):
 
 
 def _assert_accurate(out, unfused, *inputs):
-    """PERF.md's rule: ‖out − y64‖ / ‖y64‖ against the unfused model run in float64 on the same
+    """The networks' accuracy rule (docs/performance.md): ‖out − y64‖ / ‖y64‖ against the unfused model run in float64 on the same
     inputs, at most 1e-5 for float32 (exact on the CPU) and 1e-12 for float64."""
     model64 = copy.deepcopy(unfused).double()
     with torch.no_grad():

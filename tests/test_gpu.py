@@ -1339,7 +1339,7 @@ def warmed(session_cache, request):
 
 
 def tolerance(case: Case, x, w, b, ref, r=None) -> float:
-    """PERF.md's accuracy rules against `ref` (float64, the epilogue included), with torch's own
+    """The accuracy rules (docs/performance.md) against `ref` (float64, the epilogue included), with torch's own
     error measured on its convolution in the case's dtype and the epilogue after it."""
     kw = conv_kwargs(case)
     if case.dtype == "float64":

@@ -120,7 +120,7 @@ def test_channels_last_grad_input_format():
 @pytest.mark.parametrize("precision", [None, "ieee"])
 @pytest.mark.parametrize("case", [0, 3, 13])
 def test_float32(case, precision):
-    # strict float32 (PERF.md): relative error <= 1e-5 against float64; the CPU has no TF32
+    # strict float32 (docs/performance.md): relative error <= 1e-5 against float64; the CPU has no TF32
     xshape, wshape, kw = CASES[case]
     x, w, dy, ref = make(xshape, wshape, kw, dtype=torch.float32)
     for name, g, r in zip(("input", "weight", "bias"), ours(x, w, dy, kw, precision=precision), ref):
@@ -130,7 +130,7 @@ def test_float32(case, precision):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_types_no_worse_than_torch(dtype):
-    # PERF.md: float32 accumulation, error no worse than 1.5x F.conv2d's own in that dtype
+    # docs/performance.md: float32 accumulation, error no worse than 1.5x F.conv2d's own in that dtype
     xshape, wshape, kw = CASES[2]
     x, w, dy, ref = make(xshape, wshape, kw, dtype=dtype)
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, torch.zeros(w.shape[0], dtype=dtype)))
