@@ -57,15 +57,19 @@ class Layer:
     the layer, or None. fallback: 'torch' where the layer was measured slower on kernelgen than
     F.conv2d and keeps torch's convolution (its class is `original` then), else None.
     input: a meta tensor with the shape, strides and dtype of the layer's input at the last
-    recorded call (convert's or report's example inputs), or None. plan: the kernel kernelgen runs
-    for that call (ConvSpec.summary()); tuned: whether it was measured on this device.
-    us, torch_us: kernelgen's and F.conv2d's time for that call in microseconds, where measured.
+    recorded call (convert's or report's example inputs), or None. epilogue: that call's fused
+    epilogue ("+residual, relu"), or None for a bare convolution. plan: the kernel kernelgen runs
+    for that call, epilogue included (ConvSpec.summary()); tuned: whether it was measured on this
+    device. us, torch_us: that call's time in microseconds, where measured: kernelgen.conv2d with
+    the epilogue, against F.conv2d followed by torch's add and activation (what the fused call
+    replaces, and what the layer computes after falling back).
     """
 
     original: type
     bn: str | None = None
     fallback: str | None = None
     input: torch.Tensor | None = None
+    epilogue: str | None = None
     plan: str | None = None
     tuned: bool = False
     us: float | None = None
@@ -108,10 +112,13 @@ def convert(model: nn.Module, example_inputs: Any = None, *, fold_bn: bool = Fal
         broadcast) is added, and the activation applied, by torch after kernelgen's
         convolution: counted (kernelgen.stats()['epilogues_in_torch']) and shown by `report`.
     tune: measure each recorded call's candidates on this device (kernelgen.tune_calls) and keep
-        the fastest; needs example_inputs.
-    fallback: None, or 'torch': a layer whose kernelgen kernel (tuned, where `tune`) is slower
-        than F.conv2d on the example inputs keeps torch's convolution; logged at INFO, counted
+        the fastest; needs example_inputs. The recorded call is the one the layer makes: with
+        fuse, its epilogue (activation, residual) too, so the fused kernel is the one tuned.
+    fallback: None, or 'torch': a layer whose kernelgen call (tuned, where `tune`) is slower than
+        torch on the example inputs keeps torch's convolution; logged at INFO, counted
         (kernelgen.stats()['convert_fallbacks']) and marked in the report. Needs example_inputs.
+        A fused call is timed against F.conv2d followed by torch's add and activation, which is
+        what the layer computes after falling back.
     """
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback={fallback!r}: expected one of {FALLBACKS}")
@@ -759,28 +766,36 @@ def _same(value, default) -> bool:
 
 # --- recording, tuning, measuring -----------------------------------------------------------------
 
-def _call(m: nn.Module, input, weight, bias, padding) -> dict:
+def _call(m: nn.Module, input, weight, bias, padding, activation=None, negative_slope=0.01, residual=None) -> dict:
     # detached: the tuner turns errors into floats, and nothing here needs their graph
     return dict(input=input.detach(), weight=weight.detach(), bias=None if bias is None else bias.detach(),
-                stride=m.stride, padding=padding, dilation=m.dilation, groups=m.groups, precision=m.precision)
+                stride=m.stride, padding=padding, dilation=m.dilation, groups=m.groups, precision=m.precision,
+                activation=activation, negative_slope=negative_slope,
+                residual=residual.detach() if isinstance(residual, torch.Tensor) else residual)
 
 
-def _pre_hook(m: nn.Module, args: tuple) -> None:
-    x, padding = args[0], m.padding
+def _pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Record the call `m` is about to make; a fused call's epilogue comes as kernelgen.Conv2d's
+    keyword arguments (fused_call passes them, the residual being the model's own tensor)."""
+    x, padding = (args[0] if args else kwargs["input"]), m.padding
     if m.padding_mode != "zeros":
         x, padding = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode), 0
-    _calls[m] = _call(m, x, m.weight, m.bias, padding)
+    epilogue = {}
+    if type(m).forward is KgConv2d.forward:  # (another forward's keywords are not kernelgen.conv2d's)
+        epilogue = {k: kwargs[k] for k in ("activation", "negative_slope", "residual") if k in kwargs}
+    _calls[m] = _call(m, x, m.weight, m.bias, padding, **epilogue)
 
 
 def _record(model: nn.Module, example_inputs: Any) -> dict[nn.Module, dict]:
     """Run `model` once on `example_inputs` (eval mode, no_grad; the training flags restored
-    after) and return each converted layer's call (its last, where it is called several times);
-    each layer's Layer gets the call's input and plan."""
+    after) and return each converted layer's call (its last, where it is called several times),
+    as the layer makes it: a fused call with its activation, slope and residual; each layer's
+    Layer gets the call's input, epilogue and plan."""
     global _calls
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     layers = [m for m in model.modules() if ATTR in m.__dict__]  # fallback layers too, for report
     modes = {m: m.training for m in model.modules()}
-    handles = [m.register_forward_pre_hook(_pre_hook) for m in layers]
+    handles = [m.register_forward_pre_hook(_pre_hook, with_kwargs=True) for m in layers]
     calls: dict = {}
     _calls = calls
     try:
@@ -797,8 +812,23 @@ def _record(model: nn.Module, example_inputs: Any) -> dict[nn.Module, dict]:
         x = call["input"]
         layer = getattr(m, ATTR)
         layer.input = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        layer.epilogue = _describe(call["residual"] is not None, call["activation"], call["negative_slope"]) or None
         layer.plan, layer.tuned = _plan_of(call)
     return calls
+
+
+def _plan_args(call: dict) -> dict:
+    """A recorded call as functional.signature and spec_for take it: no slope, which is no part of
+    the plan (the kernels take it at run time)."""
+    return {k: v for k, v in call.items() if k != "negative_slope"}
+
+
+def _signature(call: dict) -> tuple | None:
+    """The plan signature of a recorded call, its epilogue included: a fused and a bare call of
+    one shape are different plans (and kernels)."""
+    from . import functional
+
+    return functional.signature(**_plan_args(call), family=None, tiles=None)
 
 
 def _plan_of(call: dict) -> tuple[str | None, bool]:
@@ -807,21 +837,20 @@ def _plan_of(call: dict) -> tuple[str | None, bool]:
     from . import functional, plans
     from .kernels import default_cache
 
-    sig = functional.signature(**call, family=None, tiles=None)
+    sig = _signature(call)
     record = plans.read(default_cache().root, functional._record_name(sig, call["input"])) if sig else None
     if record and record.get("summary"):
         return record["summary"], isinstance(record.get("tuned"), dict)
-    spec, _ = functional.spec_for(**call)
+    spec, _ = functional.spec_for(**_plan_args(call))
     return (spec.summary() if spec is not None else None), False
 
 
 def _unique(calls: dict) -> dict[tuple, dict]:
-    """One call per plan signature: layers of identical calls are tuned and timed once."""
-    from . import functional
-
+    """One call per plan signature: layers of identical calls (epilogues included) are tuned and
+    timed once."""
     out = {}
     for call in calls.values():
-        out.setdefault(functional.signature(**call, family=None, tiles=None), call)
+        out.setdefault(_signature(call), call)
     return out
 
 
@@ -836,32 +865,38 @@ def _tune(calls: dict) -> None:
 
 
 def _time_call(call: dict) -> tuple[float, float]:
-    """(kernelgen.conv2d's, F.conv2d's) microseconds for `call`, timed by the tuner's clock (CUDA
-    events on a GPU, the host clock on the CPU), the two taking turns."""
+    """(kernelgen's, torch's) microseconds for `call`, timed by the tuner's clock (CUDA events on a
+    GPU, the host clock on the CPU), the two taking turns. kernelgen's: kernelgen.conv2d with the
+    call's epilogue; torch's: F.conv2d, then the residual add and the activation by torch
+    (compiled.epilogue), the ops a fused call replaces."""
     from . import tuner
 
     args = (call["input"], call["weight"], call["bias"], call["stride"], call["padding"], call["dilation"],
             call["groups"])
+    act, slope, res = call["activation"], call["negative_slope"], call["residual"]
     with torch.no_grad():
-        kg, th = tuner._stream_us([lambda: conv2d(*args, precision=call["precision"]), lambda: F.conv2d(*args)],
-                                  cuda=call["input"].is_cuda)
+        kg, th = tuner._stream_us([
+            lambda: conv2d(*args, precision=call["precision"], activation=act, negative_slope=slope, residual=res),
+            lambda: compiled.epilogue(F.conv2d(*args), act, slope, res)], cuda=call["input"].is_cuda)
     return kg, th
 
 
 def _measure(model: nn.Module, calls: dict, fallback: str | None) -> None:
-    from . import functional
-
+    """Time each distinct call (`_time_call`) into its layers' records; with fallback='torch', put
+    a layer measured slower on kernelgen back on torch's convolution. A fused layer then computes
+    its epilogue with torch too (fused_call), which is what its torch time measured."""
     times = {sig: _time_call(call) for sig, call in _unique(calls).items()}
     names = {m: n for n, m in model.named_modules()}
     for m, call in calls.items():
         layer = getattr(m, ATTR)
-        layer.us, layer.torch_us = times[functional.signature(**call, family=None, tiles=None)]
+        layer.us, layer.torch_us = times[_signature(call)]
         if fallback == "torch" and layer.us > layer.torch_us:
             layer.fallback = "torch"
             m.__class__ = layer.original
             count("convert_fallbacks")
-            log.info("kernelgen.convert: %s keeps torch's convolution: kernelgen %.1f us > F.conv2d %.1f us "
-                     "(input %s, %s)", names.get(m, type(m).__name__), layer.us, layer.torch_us,
+            torch_side = "F.conv2d" + (f" then {layer.epilogue} by torch" if layer.epilogue else "")
+            log.info("kernelgen.convert: %s keeps torch's convolution: kernelgen %.1f us > %s %.1f us "
+                     "(input %s, %s)", names.get(m, type(m).__name__), layer.us, torch_side, layer.torch_us,
                      tuple(call["input"].shape), layer.plan)
 
 
@@ -898,6 +933,9 @@ class Report:
         n_fused = sum(r["fused"] is not None for r in self.rows)
         lines.append(f"{len(self.rows)} layer(s): {len(self.rows) - n_fb} on kernelgen, {n_fb} on torch "
                      f"(fallback), {n_bn} with BatchNorm folded, {n_fused} fused")
+        if any(r["epilogue"] is not None and r["us"] is not None for r in self.rows):
+            lines.append("µs of a fused layer are its whole call: kernelgen.conv2d with the epilogue against "
+                         "F.conv2d, then torch's add and activation")
         return "\n".join(lines)
 
 
@@ -906,9 +944,11 @@ def report(model: nn.Module, example_inputs: Any = None) -> Report:
     (family[tiles]; `plan` in the rows has its whole summary, `tuned` whether it was measured),
     the BatchNorm folded in, the ops fused into its calls ("+residual, relu"; distinct ones joined
     by "; ", and "(torch ×n)" where n calls had torch compute them: `epilogue_in_torch`), fallback,
-    and kernelgen's and F.conv2d's µs where convert measured them. Input and kernel are those of
-    the last recorded call: `convert`'s example inputs, or `example_inputs` here, which runs the
-    model once to record them."""
+    and kernelgen's and torch's µs where convert measured them: for a fused layer, its whole call
+    (`epilogue` in the rows: kernelgen.conv2d with it, against F.conv2d then torch's add and
+    activation; a note under the table says so). Input and kernel are those of the last recorded
+    call: `convert`'s example inputs, or `example_inputs` here, which runs the model once to
+    record them."""
     if example_inputs is not None:
         _record(model, example_inputs)
     rows = []
@@ -921,6 +961,7 @@ def report(model: nn.Module, example_inputs: Any = None) -> Report:
                      "input": None if layer.input is None else tuple(layer.input.shape), "kernel": kernel,
                      "plan": layer.plan, "tuned": layer.tuned, "bn": layer.bn,
                      "fused": "; ".join(dict.fromkeys(layer.fused)) or None,
-                     "epilogue_in_torch": layer.epilogue_in_torch, "fallback": layer.fallback,
+                     "epilogue_in_torch": layer.epilogue_in_torch, "epilogue": layer.epilogue,
+                     "fallback": layer.fallback,
                      "us": layer.us, "torch_us": layer.torch_us})
     return Report(rows)

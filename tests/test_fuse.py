@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import logging
 import pickle
 import weakref
@@ -567,6 +568,121 @@ def test_a_layer_falling_back_to_torch_computes_its_epilogue_with_torch(calls, m
         out = model(x)
     assert calls == []  # both layers on torch, as measured
     assert kernelgen.report(model).rows[1]["fused"] == "+residual, relu"
+    _assert_accurate(out, unfused, x)
+
+
+class ResidualRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.conv(x) + x)
+
+
+def test_tune_tunes_the_fused_call_and_the_fused_forward_serves_it(fresh_cache, monkeypatch):
+    from kernelgen import functional, plans
+
+    model, x = _build(ResidualRelu), _x()
+    unfused = copy.deepcopy(model)
+    # cpu_direct's two configurations; the second (cout_block 4) made to look faster
+    monkeypatch.setattr(tuner, "_stream_us", lambda fns, cuda=True: [2.0, 1.0][:len(fns)])
+    tuned, real = [], tuner.tune_calls
+    monkeypatch.setattr(tuner, "tune_calls", lambda calls, **kw: tuned.extend(calls) or real(calls, **kw))
+    before = kernelgen.stats()
+    kernelgen.convert(model, x, fuse=True, tune=True)
+    (call,) = tuned
+    assert call["activation"] == "relu" and call["residual"] is not None
+    assert call["residual"].data_ptr() == x.data_ptr()  # the model's own residual at the example inputs
+    assert kernelgen.stats().get("tune_timings", 0) - before.get("tune_timings", 0) == 2  # both candidates
+    sig = functional.signature(x, model.conv.weight, model.conv.bias, (1, 1), (1, 1), (1, 1), 1, None, None, None,
+                               "relu", x)
+    record = plans.read(fresh_cache, functional._record_name(sig, x))
+    assert json.loads(record["tuned"]["spec"])["tiles"] == {"cout_block": 4}
+    bare = functional.signature(x, model.conv.weight, model.conv.bias, (1, 1), (1, 1), (1, 1), 1, None, None, None)
+    assert "tuned" not in (plans.read(fresh_cache, functional._record_name(bare, x)) or {})
+    row = kernelgen.report(model).rows[0]
+    assert row["kernel"] == "cpu_direct[cout_block=4] (tuned)" and row["epilogue"] == "+residual, relu"
+    assert (row["us"], row["torch_us"], row["fallback"]) == (2.0, 1.0, None)
+    assert str(kernelgen.report(model)).splitlines()[-1].startswith("µs of a fused layer are its whole call")
+    # the fused forward runs the tuned record's kernel: nothing built, nothing timed
+    before = kernelgen.stats()
+    with torch.no_grad():
+        out = model(x)
+    after = kernelgen.stats()
+    assert functional._plans[sig].key == record["key"]
+    assert after["compiles"] == before["compiles"] and after.get("tune_timings") == before.get("tune_timings")
+    _assert_accurate(out, unfused, x)
+
+
+def _timing_spy(times):
+    """A tuner._stream_us for convert's timings: each pair of functions run once (kernelgen's, torch's
+    outputs kept), then reported as the next of `times`."""
+    seen = []
+
+    def stream_us(fns, cuda=True):
+        with torch.no_grad():
+            seen.append([fn() for fn in fns])
+        return times[len(seen) - 1]
+
+    return stream_us, seen
+
+
+def test_fallback_times_the_fused_call_against_torchs_conv_add_and_activation(calls, monkeypatch, caplog):
+    model, x = _build(Basic, True), _x()
+    unfused = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = unfused(x)
+        y1 = F.relu(unfused.conv1(x))
+        y2 = F.relu(unfused.conv2(y1) + x)
+    stream_us, seen = _timing_spy([[9.0, 3.0], [9.0, 3.0]])  # kernelgen measured slower: every layer falls back
+    monkeypatch.setattr(tuner, "_stream_us", stream_us)
+    before = kernelgen.stats().get("convert_fallbacks", 0)
+    calls.clear()
+    with caplog.at_level(logging.INFO, logger="kernelgen"):
+        kernelgen.convert(model, x, fuse=True, fallback="torch")
+    # recorded and timed as fused: kernelgen's side the fused call, torch's F.conv2d, the add, the relu
+    assert [(c["activation"], c["residual"]) for c in calls] == [
+        ("relu", None), ("relu", ((2, 8, 12, 12), torch.float32))] * 2
+    assert len(seen) == 2
+    for (kg, th), want in zip(seen, (y1, y2)):
+        torch.testing.assert_close(kg, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(th, want, rtol=1e-6, atol=1e-6)
+    assert type(model.conv1) is type(model.conv2) is nn.Conv2d
+    assert kernelgen.stats()["convert_fallbacks"] == before + 2
+    assert any("conv2 keeps torch's convolution: kernelgen 9.0 us > F.conv2d then +residual, relu by torch 3.0 us"
+               in r.getMessage() for r in caplog.records)
+    rows = kernelgen.report(model).rows
+    assert [(r["fallback"], r["epilogue"], r["us"], r["torch_us"]) for r in rows] == [
+        ("torch", "relu", 9.0, 3.0), ("torch", "+residual, relu", 9.0, 3.0)]
+    text = str(kernelgen.report(model)).splitlines()
+    assert text[-2] == "2 layer(s): 0 on kernelgen, 2 on torch (fallback), 0 with BatchNorm folded, 2 fused"
+    assert text[-1].startswith("µs of a fused layer are its whole call")
+    calls.clear()
+    with torch.no_grad():
+        out = model(x)
+    assert calls == []  # both layers on torch, their epilogues too
+    torch.testing.assert_close(out, ref)
+    _assert_accurate(out, unfused, x)
+
+
+def test_a_fused_and_a_bare_call_of_one_shape_are_timed_apart(calls, monkeypatch):
+    model = _build(lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)))
+    x = _x()
+    unfused = copy.deepcopy(model)
+    stream_us, seen = _timing_spy([[9.0, 3.0], [2.0, 3.0]])  # the fused one (recorded first) slower
+    monkeypatch.setattr(tuner, "_stream_us", stream_us)
+    kernelgen.convert(model, x, fuse=True, fallback="torch")
+    assert len(seen) == 2  # one shape, two plans: timed once each
+    assert bool((seen[0][1] >= 0).all()) and bool((seen[1][1] < 0).any())  # torch's side: relu, then none
+    rows = kernelgen.report(model).rows
+    assert [(r["name"], r["epilogue"], r["us"], r["fallback"]) for r in rows] == [
+        ("0", "relu", 9.0, "torch"), ("2", None, 2.0, None)]
+    assert type(model[0]) is nn.Conv2d and type(model[2]) is kernelgen.Conv2d
+    calls.clear()
+    with torch.no_grad():
+        out = model(x)
+    assert calls == [{"activation": None, "negative_slope": 0.01, "residual": None}]  # the second layer's
     _assert_accurate(out, unfused, x)
 
 
