@@ -13,7 +13,9 @@ not trace their definitions. The call's arguments go in forms a schema can hold:
 and padding as int lists (padding 'same' or 'valid' as `padding_mode`), tiles as JSON. conv2d has
 no gradient formula of torch's, so the operator's backward is a second operator,
 `kernelgen::conv2d_backward`, which computes the gradients as an eager backward does (gradients.py):
-a compiled graph's backward holds one node for it.
+a compiled graph's backward holds one node for it. Through a fused activation its graph saves what
+the eager Function saves: the call's output where the derivative reads it, else the bias and
+residual from which the operator recomputes the pre-activation; a plain call saves input and weight.
 
 A call with a fused epilogue (activation, residual) is the operator `kernelgen::conv2d_epilogue`,
 whose schema is conv2d's and the epilogue's three arguments, with the same implementations: a graph
@@ -95,39 +97,57 @@ def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
 
 
 @torch.library.custom_op("kernelgen::conv2d_backward", mutates_args=())
-def backward_op(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: list[int],
-                padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
-                precision: Optional[str], activation: Optional[str], needs: list[bool]) -> list[torch.Tensor]:
+def backward_op(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, output: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], stride: list[int], padding: list[int],
+                padding_mode: Optional[str], dilation: list[int], groups: int, precision: Optional[str],
+                family: Optional[str], tiles: Optional[str], activation: Optional[str], negative_slope: float,
+                needs: list[bool]) -> list[torch.Tensor]:
     """What a compiled graph's backward through conv2d runs: the gradients autograd `needs` (input,
     weight, bias, residual), each by kernelgen's forward kernels (gradients.backward); one not
-    needed is an empty tensor. (An operator, so that the backward graph holds one node.)"""
+    needed is an empty tensor. Through an activation: from the call's `output` where
+    gradients.from_output says so, else from the pre-activation recomputed from input, weight,
+    `bias` and `residual` (each None where not saved). (An operator, so that the backward graph
+    holds one node.)"""
     from .gradients import backward
 
     grads = backward(grad, input, weight, needs, stride, padding_mode or padding, dilation, groups, precision,
-                     activation)
+                     activation, negative_slope, output=output, bias=bias, residual=residual, family=family,
+                     tiles=None if tiles is None else json.loads(tiles))
     return [g if g is not None else grad.new_empty(0) for g in grads]
 
 
 @backward_op.register_fake
-def _fake_backward(grad, input, weight, stride, padding, padding_mode, dilation, groups, precision, activation, needs):
+def _fake_backward(grad, input, weight, output, bias, residual, stride, padding, padding_mode, dilation, groups,
+                   precision, family, tiles, activation, negative_slope, needs):
     likes = (input, weight, weight.new_empty(weight.shape[0]), grad)
     return [torch.empty_like(t) if n else grad.new_empty(0) for t, n in zip(likes, needs)]
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1])
-    ctx.params = inputs[3:9]  # stride, padding, padding_mode, dilation, groups, precision
+    # A call without an activation keeps only input and weight; with one, what its derivative reads:
+    # the output, or the bias and residual that recompute the pre-activation (as the eager Function).
+    ctx.params = inputs[3:11]  # stride, padding, padding_mode, dilation, groups, precision, family, tiles
     ctx.has_bias = inputs[2] is not None
-    ctx.activation = inputs[11] if len(inputs) > 11 else None
+    ctx.activation, ctx.negative_slope = (inputs[11], inputs[12]) if len(inputs) > 11 else (None, 0.01)
     ctx.has_residual = len(inputs) > 13 and inputs[13] is not None
     ctx.n_inputs = len(inputs)
+    if ctx.activation is None:
+        ctx.save_for_backward(inputs[0], inputs[1])
+    else:
+        from .gradients import from_output
+
+        keep = from_output(ctx.activation, ctx.negative_slope)
+        ctx.save_for_backward(inputs[0], inputs[1], output if keep else None, None if keep else inputs[2],
+                              None if keep else inputs[13])
 
 
 def _backward(ctx, grad):
-    input, weight = ctx.saved_tensors
+    input, weight, *epilogue = ctx.saved_tensors
+    output, bias, residual = epilogue or (None, None, None)
     n = ctx.needs_input_grad
     needs = [bool(n[0]), bool(n[1]), ctx.has_bias and bool(n[2]), ctx.has_residual and bool(n[13])]
-    grads = backward_op(grad, input, weight, *ctx.params, ctx.activation, needs)
+    grads = backward_op(grad, input, weight, output, bias, residual, *ctx.params, ctx.activation,
+                        ctx.negative_slope, needs)
     gi, gw, gb, gr = (g if need else None for g, need in zip(grads, needs))
     out = [gi, gw, gb] + [None] * (ctx.n_inputs - 3)
     if ctx.n_inputs > 13:

@@ -177,8 +177,11 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         float32). residual: None or a tensor of exactly the output's shape, dtype and device
         (any strides).
 
-    Autograd: the gradients are computed by kernelgen's own forward kernels (gradients.py);
-    backward through a fused activation, and double backward, raise NotImplementedError.
+    Autograd: the gradients are computed by kernelgen's own forward kernels (gradients.py),
+    through a fused activation by torch's own derivative of it (its ties and NaN): read from
+    the saved output for relu, relu6, sigmoid and leaky_relu with a slope >= 0; for the others
+    backward recomputes the pre-activation with one more forward call. The residual's gradient
+    is the pre-activation's. Double backward raises NotImplementedError.
 
     Under torch.autocast the call computes in the region's dtype, as F.conv2d does.
     """
@@ -214,7 +217,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         plan = _new_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        return _autograd().apply(plan, (stride, padding, dilation, groups, precision, None), input, weight, bias)
+        return _autograd().apply(plan, (stride, padding, dilation, groups, precision, family, tiles, None, None),
+                                 input, weight, bias)
     return _run(plan, input, weight, bias)
 
 
@@ -271,8 +275,8 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)
                                     or (residual is not None and residual.requires_grad)):
-        return _autograd().apply(plan, (stride, padding, dilation, groups, precision, activation), input, weight,
-                                 bias, residual, alpha)
+        return _autograd().apply(plan, (stride, padding, dilation, groups, precision, family, tiles, activation,
+                                        negative_slope), input, weight, bias, residual, alpha)
     return _run(plan, input, weight, bias, residual=residual, alpha=alpha)
 
 
@@ -685,6 +689,8 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def _autograd() -> type:
     """The autograd Function of a call whose tensors require grad: its backward computes the
     gradients with kernelgen's own forward kernels (gradients.backward), only those autograd needs.
+    A call without an activation saves its input and weight; with one, also its output, or the
+    bias and residual that recompute the pre-activation (gradients.from_output says which).
 
     Defined on first use: creating an autograd.Function subclass (torch makes a second
     class for its backward node) costs a process ~0.1 ms, which an inference process, or
@@ -694,18 +700,29 @@ def _autograd() -> type:
     class _Conv2d(torch.autograd.Function):
         @staticmethod
         def forward(ctx, plan, params, input, weight, bias, residual=None, alpha=0):  # type: ignore[override]
-            ctx.params = params  # stride, padding, dilation, groups, precision, activation: as the call gave them
-            ctx.save_for_backward(input, weight)
-            return _run(plan, input, weight, bias, residual=residual, alpha=alpha)
+            # stride, padding, dilation, groups, precision, family, tiles, activation, negative_slope: as given
+            ctx.params = params
+            y = _run(plan, input, weight, bias, residual=residual, alpha=alpha)
+            if params[7] is None:
+                ctx.save_for_backward(input, weight)
+            else:
+                from .gradients import from_output
+
+                keep = from_output(params[7], params[8])
+                ctx.save_for_backward(input, weight, y if keep else None, None if keep else bias,
+                                      None if keep else residual)
+            return y
 
         @staticmethod
         def backward(ctx, grad):  # type: ignore[override]
             from .gradients import backward
 
-            input, weight = ctx.saved_tensors
-            stride, padding, dilation, groups, precision, activation = ctx.params
+            input, weight, *epilogue = ctx.saved_tensors
+            output, bias, residual = epilogue or (None, None, None)
+            stride, padding, dilation, groups, precision, family, tiles, activation, negative_slope = ctx.params
             needs = (tuple(ctx.needs_input_grad[2:6]) + (False,) * 4)[:4]  # (residual: where it was given)
-            grads = backward(grad, input, weight, needs, stride, padding, dilation, groups, precision, activation)
+            grads = backward(grad, input, weight, needs, stride, padding, dilation, groups, precision, activation,
+                             negative_slope, output=output, bias=bias, residual=residual, family=family, tiles=tiles)
             return (None, None, *grads, None)
 
     return _Conv2d

@@ -54,19 +54,35 @@ for float32, 'ieee' or 'tf32' force it; other dtypes are unaffected.
 
 Outputs: grad_input has the input's shape (unbatched where it was), channels_last when grad_out
 is; grad_weight is contiguous (O, Cg, KH, KW); grad_bias is (O,).
+
+A fused epilogue, y = act(z), z = conv2d(x, w, b) + residual (`backward`): grad_z is torch's own
+backward formula of the activation (aten's threshold_backward, hardtanh_backward, ...), so ties and
+NaN go as torch's do; it then feeds the three gradients above, and is the residual's gradient.
+Torch's formula reads y or z. Where y decides it exactly, the forward saves y (`from_output`):
+relu (torch itself reads y), relu6 (y <= 0 or y >= 6 exactly where z is: a clamp to bounds the dtype
+holds), sigmoid (torch reads y), leaky_relu with a slope >= 0 (y > 0 exactly where z > 0; torch's
+in-place leaky_relu_ reads y under the same condition). Elsewhere backward recomputes z with one more
+forward call (activation=None, the residual kept), from the input, weight, bias and residual the
+forward saved: silu, gelu and hardswish (not functions of y), leaky_relu with a slope < 0 (y > 0
+misses z > 0), and hardsigmoid: y = clamp(z + 3, 0, 6) / 6 rounds z + 3 first, so z one ulp below 3
+gives y == 1 where torch's z < 3 passes the gradient (in float16/bfloat16, rounding y to the dtype
+widens that band), while the layers that use it (squeeze-excitation gates, 1x1 on pooled features)
+are the cheapest to recompute. LeakyReLU's slope is the float32 the kernels computed with.
 """
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.nn.functional as F
 
-from .checks import groups_arg
+from .checks import groups_arg, slope_bits
 from .errors import ConvArgumentError
 from .functional import conv2d
 from .spec import pair, resolve_padding
 
-__all__ = ["input_grad", "weight_grad", "bias_grad"]
+__all__ = ["input_grad", "weight_grad", "bias_grad", "activation_grad", "from_output", "backward"]
 
 
 def _geometry(input_shape, weight_shape, stride, padding, dilation, groups):
@@ -251,20 +267,76 @@ def bias_grad(grad_out: torch.Tensor) -> torch.Tensor:
     return grad_out.sum(dims)
 
 
+_aten = torch.ops.aten
+# kernelgen.ACTIVATIONS' derivatives as torch's autograd computes them, (grad, saved, slope) -> grad_z:
+# `saved` is the call's output y where from_output() says so (relu, relu6, sigmoid, leaky_relu with a
+# slope >= 0), else the pre-activation z. Ties and NaN are torch's: relu's gradient at 0 is 0, relu6's
+# (hardtanh's) passes only strictly inside (0, 6), hardsigmoid's strictly inside (-3, 3).
+_ACTIVATION_GRADS = {
+    "relu": lambda g, y, slope: _aten.threshold_backward(g, y, 0),
+    "relu6": lambda g, y, slope: _aten.hardtanh_backward(g, y, 0, 6),
+    "sigmoid": lambda g, y, slope: _aten.sigmoid_backward(g, y),
+    "leaky_relu": lambda g, s, slope: _aten.leaky_relu_backward(g, s, slope, slope >= 0),
+    "silu": lambda g, z, slope: _aten.silu_backward(g, z),
+    "gelu": lambda g, z, slope: _aten.gelu_backward(g, z),
+    "hardswish": lambda g, z, slope: _aten.hardswish_backward(g, z),
+    "hardsigmoid": lambda g, z, slope: _aten.hardsigmoid_backward(g, z),
+}
+_FROM_OUTPUT = frozenset({"relu", "relu6", "sigmoid"})
+
+
+def _kernel_slope(negative_slope) -> float:
+    """LeakyReLU's slope as the kernels computed with it: the nearest float32."""
+    return struct.unpack("<f", struct.pack("<I", slope_bits(negative_slope)))[0]
+
+
+def from_output(activation: str | None, negative_slope=0.01) -> bool:
+    """Whether backward through `activation` reads the call's output y (which the forward then
+    saves) rather than recomputing the pre-activation z (for which it saves bias and residual);
+    see the module's docstring for why each activation is where it is."""
+    if activation == "leaky_relu":
+        return _kernel_slope(negative_slope) >= 0  # (-0.0 too: the kernel's y is then +-0 for z <= 0)
+    return activation in _FROM_OUTPUT
+
+
+def activation_grad(grad_out: torch.Tensor, activation: str, negative_slope, saved: torch.Tensor) -> torch.Tensor:
+    """grad_out through `activation` by torch's own backward formula: the gradient of its input z.
+    `saved` is the call's output y where from_output(activation, negative_slope), else z."""
+    if activation not in _ACTIVATION_GRADS:
+        from .checks import check_activation
+
+        check_activation(activation)  # raises, naming the activations there are
+    slope = _kernel_slope(negative_slope) if activation == "leaky_relu" else 0.0
+    return _ACTIVATION_GRADS[activation](grad_out, saved, slope)
+
+
 def backward(grad_out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, needs, stride, padding, dilation,
-             groups: int, precision: str | None = None, activation: str | None = None) -> tuple:
+             groups: int, precision: str | None = None, activation: str | None = None, negative_slope=0.01, *,
+             output: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, family: str | None = None, tiles=None) -> tuple:
     """(grad_input, grad_weight, grad_bias, grad_residual) of a kernelgen.conv2d call, each None where
     `needs` (four bools: input, weight, bias, residual, as autograd's needs_input_grad) says it is not
-    wanted: what the call's autograd (eager and the compiled operator's) runs. A residual's gradient
-    is grad_out itself. Raises for what has no backward yet: a fused activation (its derivative
-    needs the pre-activation, which the forward does not keep) and double backward."""
+    wanted: what the call's autograd (eager and the compiled operator's) runs.
+
+    With a fused activation, grad_out first goes through the activation's derivative (torch's
+    formula), read from `output` (the call's y) where from_output(activation, negative_slope), else
+    from z = conv2d(input, weight, bias, ..., residual=residual), recomputed here by one forward call
+    (the call's precision, family and tiles; activation=None). grad_z then feeds the convolution's
+    gradients and is the residual's gradient (without an activation: grad_out itself). Double
+    backward raises NotImplementedError."""
     if torch.is_grad_enabled():
         raise NotImplementedError("kernelgen.conv2d: double backward (create_graph=True) is not supported; its "
                                   "gradients are computed without a graph of their own")
-    if activation is not None:
-        raise NotImplementedError(f"kernelgen.conv2d: no backward through a fused activation ({activation!r}) yet; "
-                                  "train with the activation as its own op (kernelgen.convert(..., fuse=False))")
     need_input, need_weight, need_bias, need_residual = (bool(n) for n in needs)
+    if activation is not None and (need_input or need_weight or need_bias or need_residual):
+        if from_output(activation, negative_slope):
+            if output is None:
+                raise ConvArgumentError(f"backward through {activation!r} reads the forward's output: pass output=")
+            saved = output
+        else:  # the pre-activation, as the forward's kernel computed it before its activation
+            saved = conv2d(input, weight, bias, stride, padding, dilation, groups, precision=precision, family=family,
+                           tiles=tiles, residual=residual)
+        grad_out = activation_grad(grad_out, activation, negative_slope, saved)
     return (input_grad(grad_out, weight, input.shape, stride, padding, dilation, groups, precision=precision)
             if need_input else None,
             weight_grad(grad_out, input, weight.shape, stride, padding, dilation, groups, precision=precision)

@@ -372,13 +372,14 @@ def test_an_epilogue_plan_is_served_from_its_record(fresh_cache):
 
 
 @pytest.mark.compile
-def test_a_residual_that_requires_grad_flows_but_a_fused_activation_has_no_backward_yet():
+def test_a_residual_that_requires_grad_gets_the_gradient_through_the_activation():
+    # (tests/test_epilogue_grad.py checks every activation's gradients in float64)
     x, w, b, r = _tensors(torch.float32)
     r.requires_grad_(True)
     y = kernelgen.conv2d(x, w, b, **SHAPE["kw"], activation="relu", residual=r)
     assert y.requires_grad
-    with pytest.raises(NotImplementedError, match="fused activation"):
-        y.sum().backward()
+    y.sum().backward()
+    assert torch.equal(r.grad, (y > 0).to(r.dtype))
 
 
 @pytest.mark.compile
