@@ -1,7 +1,7 @@
 """Compile tier, where onnx and onnxruntime are installed: a model with kernelgen convolutions (fused
 epilogues included), exported by either torch.onnx exporter, is a standard ONNX model (`Conv` nodes,
-onnx.checker) that onnxruntime runs to the torch model's outputs. Skipped without them (CI does not install them);
-tests/test_torch_tools.py checks what the exporters capture without them."""
+onnx.checker) that onnxruntime runs to the torch model's outputs. Skipped without them (CI does not
+install them); tests/test_torch_tools.py checks what the exporters capture without them."""
 
 from __future__ import annotations
 
@@ -244,8 +244,9 @@ class _Block(torch.nn.Module):
         return self.silu(self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))) + x)
 
 
-@pytest.mark.parametrize("form", ["module", "traced module"])
-def test_fused_conversion_exports_with_torchscript(form, tmp_path):
+@pytest.mark.parametrize("form, exporter", [("module", "dynamo"), ("module", "torchscript"),
+                                           ("traced module", "torchscript")])
+def test_fused_conversion_exports(form, exporter, tmp_path):
     torch.manual_seed(0)
     model = _Block().eval()
     for bn in (model.bn1, model.bn2):
@@ -261,7 +262,7 @@ def test_fused_conversion_exports_with_torchscript(form, tmp_path):
             assert str(traced.inlined_graph).count("kernelgen::conv2d_epilogue") == 2
             data = _export(traced, x, "torchscript", tmp_path / "m.onnx")
         else:
-            data = _export(model, x, "torchscript", tmp_path / "m.onnx")
+            data = _export(model, x, exporter, tmp_path / "m.onnx")
     ops = [op for op, _ in _convs(data)]
     assert ops.count("Add") == 1 and "Relu" in ops and "Sigmoid" in ops, ops
     _check_runs(data, model, x, 2)
