@@ -1,7 +1,8 @@
 """Compile tier, where onnx and onnxruntime are installed: a model with kernelgen convolutions (fused
 epilogues included), exported by either torch.onnx exporter, is a standard ONNX model (`Conv` nodes,
-onnx.checker) that onnxruntime runs to the torch model's outputs. Skipped without them (CI does not
-install them); tests/test_torch_tools.py checks what the exporters capture without them."""
+onnx.checker) that onnxruntime runs to the torch model's outputs. Skipped without them (the `test`
+extra installs them; the dynamo exporter's tests also need onnxscript, which it does not);
+tests/test_torch_tools.py checks what the exporters capture without them."""
 
 from __future__ import annotations
 
