@@ -30,8 +30,9 @@ from torch.onnx import symbolic_helper
 
 from . import compiled  # (defines the operators this module translates)
 
-# The symbolic serves this opset and every later one; Conv, Unsqueeze and Squeeze with the inputs
-# and attributes used here are in opset 13 and every later one.
+# The symbolics serve this opset and every later one: Conv, Unsqueeze, Squeeze, Add and the
+# activations' nodes with the inputs and attributes used here are in opset 13 and every later one
+# (HardSwish and Gelu, added later, are written only where the file's opset has them: `_activate`).
 _OPSET = 13
 
 
@@ -88,9 +89,71 @@ def _symbolic(g, input, weight, bias, stride, padding, padding_mode, dilation, g
     return g.op("Squeeze", y, axis) if unbatched else y
 
 
+# (conv2d's arguments stay graph values here: `_symbolic` parses them)
+@symbolic_helper.parse_args("v", "v", "v", "v", "v", "v", "v", "v", "none", "none", "none", "s", "f", "v")
+def _symbolic_epilogue(g, input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family,
+                       tiles, activation, negative_slope, residual):
+    """The TorchScript exporter's translation of a traced kernelgen::conv2d_epilogue node: conv2d's
+    Conv, then Add of the residual (if any) and the activation (`_activate`, in the file's opset)."""
+    y = _symbolic(g, input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles)
+    if not residual.node().mustBeNone():
+        y = g.op("Add", y, residual)
+    if activation is None:
+        return y
+    dtype = input.type().dtype()
+    return _activate(_GraphOps(g), lambda v: g.op("Constant", value_t=torch.tensor(v, dtype=dtype)), y,
+                     activation, negative_slope, g.opset)
+
+
+class _GraphOps:
+    """A TorchScript graph's nodes in onnxscript's spelling, `op.Relu(y)`, `op.LeakyRelu(y,
+    alpha=0.2)`, so that `_activate` serves both exporters (g.op wants each attribute's type as a
+    suffix: alpha_f)."""
+
+    _SUFFIX = {float: "_f", int: "_i", str: "_s"}
+
+    def __init__(self, g):
+        self._g = g
+
+    def __getattr__(self, op_type: str) -> Callable:
+        if op_type.startswith("_"):  # (copy, pickle and friends probing for hooks)
+            raise AttributeError(op_type)
+        return lambda *inputs, **attrs: self._g.op(op_type, *inputs,
+                                                   **{k + self._SUFFIX[type(v)]: v for k, v in attrs.items()})
+
+
+def _activate(op, const: Callable, y, activation: str, slope: float, opset: int):
+    """`activation` (a member of kernelgen.ACTIVATIONS) of y as standard ONNX nodes that compute what
+    torch does (compiled.TORCH_ACTIVATIONS). `op.Relu(y)` makes a node (onnxscript's opset, or
+    _GraphOps), `const(0.5)` a scalar of y's dtype; `opset` is the file's: HardSwish came in 14 and
+    Gelu in 20, earlier files get their definitions as nodes."""
+    if activation == "relu":
+        return op.Relu(y)
+    if activation == "relu6":  # torch's: hardtanh(x, 0, 6)
+        return op.Clip(y, const(0.0), const(6.0))
+    if activation == "leaky_relu":
+        return op.LeakyRelu(y, alpha=float(slope))
+    if activation == "silu":
+        return op.Mul(y, op.Sigmoid(y))
+    if activation == "gelu":  # the exact (erf) form: x * (1 + erf(x / sqrt 2)) / 2
+        if opset >= 20:
+            return op.Gelu(y, approximate="none")
+        return op.Mul(op.Mul(y, const(0.5)), op.Add(const(1.0), op.Erf(op.Mul(y, const(2.0 ** -0.5)))))
+    if activation == "hardswish" and opset >= 14:
+        return op.HardSwish(y)
+    if activation in ("hardsigmoid", "hardswish"):  # torch's hardsigmoid: relu6(x + 3) / 6
+        s = op.HardSigmoid(y, alpha=1.0 / 6.0, beta=0.5)
+        return s if activation == "hardsigmoid" else op.Mul(y, s)
+    if activation == "sigmoid":
+        return op.Sigmoid(y)
+    raise ValueError(f"kernelgen.onnx: activation {activation!r} has no ONNX translation; "
+                     f"expected one of {list(compiled.TORCH_ACTIVATIONS)}")
+
+
 def translation_table() -> dict[Callable, Callable]:
     """`custom_translation_table` for the dynamo exporter (torch.onnx.export(..., dynamo=True)) of a
-    program that holds kernelgen::conv2d: each one an ONNX Conv. Needs onnxscript."""
+    program that holds kernelgen::conv2d (each one an ONNX Conv) or kernelgen::conv2d_epilogue (Conv,
+    Add, the activation). Needs onnxscript."""
     from onnxscript import opset18 as op
 
     def conv2d(input, weight, bias=None, stride=(1, 1), padding=(0, 0), padding_mode=None, dilation=(1, 1),
@@ -102,25 +165,8 @@ def translation_table() -> dict[Callable, Callable]:
         y = op.Conv(input, weight, **attrs) if bias is None else op.Conv(input, weight, bias, **attrs)
         return op.Squeeze(y, op.Constant(value_ints=[0])) if unbatched else y
 
-    def activate(y, activation, slope):
-        if activation == "relu":
-            return op.Relu(y)
-        if activation == "relu6":
-            return op.Clip(y, op.CastLike(op.Constant(value_float=0.0), y), op.CastLike(op.Constant(value_float=6.0), y))
-        if activation == "leaky_relu":
-            return op.LeakyRelu(y, alpha=slope)
-        if activation == "silu":
-            return op.Mul(y, op.Sigmoid(y))
-        if activation == "gelu":  # the exact (erf) form: x * (1 + erf(x / sqrt 2)) / 2
-            half = op.CastLike(op.Constant(value_float=0.5), y)
-            root = op.CastLike(op.Constant(value_float=2.0 ** -0.5), y)
-            return op.Mul(op.Mul(y, half), op.Add(op.CastLike(op.Constant(value_float=1.0), y),
-                                                  op.Erf(op.Mul(y, root))))
-        if activation == "hardswish":
-            return op.HardSwish(y)
-        if activation == "hardsigmoid":  # torch's: relu6(x + 3) / 6
-            return op.HardSigmoid(y, alpha=1.0 / 6.0, beta=0.5)
-        return op.Sigmoid(y)
+    def const(y):
+        return lambda v: op.CastLike(op.Constant(value_float=v), y)
 
     def conv2d_epilogue(input, weight, bias=None, stride=(1, 1), padding=(0, 0), padding_mode=None, dilation=(1, 1),
                         groups=1, precision=None, family=None, tiles=None, activation=None, negative_slope=0.01,
@@ -128,9 +174,10 @@ def translation_table() -> dict[Callable, Callable]:
         y = conv2d(input, weight, bias, stride, padding, padding_mode, dilation, groups)
         if residual is not None:
             y = op.Add(y, residual)
-        return y if activation is None else activate(y, activation, negative_slope)
+        return y if activation is None else _activate(op, const(y), y, activation, negative_slope, op.version)
 
     return {torch.ops.kernelgen.conv2d.default: conv2d, torch.ops.kernelgen.conv2d_epilogue.default: conv2d_epilogue}
 
 
 torch.onnx.register_custom_op_symbolic("kernelgen::conv2d", _symbolic, _OPSET)
+torch.onnx.register_custom_op_symbolic("kernelgen::conv2d_epilogue", _symbolic_epilogue, _OPSET)

@@ -141,6 +141,27 @@ def test_jit_trace_records_the_operator(tmp_path):
         assert torch.equal(loaded(x2), m(x2))
 
 
+def test_jit_trace_records_the_fused_epilogue(tmp_path):
+    # A call with an epilogue is one kernelgen::conv2d_epilogue node (and no kernelgen::conv2d),
+    # which runs, saves and loads like conv2d's; the residual is the node's last input.
+    torch.manual_seed(0)
+    w, b = torch.randn(4, 4, 3, 3), torch.randn(4)
+
+    def fused(x):
+        return kernelgen.conv2d(x, w, b, padding=1, activation="leaky_relu", negative_slope=0.2, residual=x)
+
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        traced = torch.jit.trace(fused, (x,))
+        graph = str(traced.inlined_graph)
+        assert graph.count("kernelgen::conv2d_epilogue") == 1 and "kernelgen::conv2d(" not in graph, graph
+        torch.jit.save(traced, str(tmp_path / "f.pt"))  # (a ScriptFunction takes str only)
+        loaded = torch.jit.load(str(tmp_path / "f.pt"))
+        x2 = torch.randn(3, 4, 6, 10)
+        ref = F.leaky_relu(F.conv2d(x2, w, b, padding=1) + x2, 0.2)
+        assert torch.equal(traced(x), fused(x)) and close(loaded(x2), ref)
+
+
 def test_jit_script_names_the_ways_that_work():
     with pytest.raises(RuntimeError, match="torch.jit.script cannot compile kernelgen.Conv2d") as info:
         torch.jit.script(_model())
