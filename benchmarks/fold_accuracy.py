@@ -23,9 +23,19 @@ import copy
 import math
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from bench_networks import _draw_batchnorm  # noqa: E402
+from bench_networks import make_input as bench_input  # noqa: E402
+from model_state import randomise_bn  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -101,44 +111,17 @@ class ResNet(nn.Module):
 NETWORKS = {"resnet50": dict(), "resnext50_32x4d": dict(groups=32, width_per_group=4)}
 
 
-@torch.no_grad()
-def draw_bn_bench(model, seed):
-    """bench_networks.py's _draw_batchnorm."""
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d) and m.running_mean is not None:
-            n = m.num_features
-            m.running_mean.copy_(0.1 * torch.randn(n, generator=g))
-            m.running_var.copy_(0.8 + 0.4 * torch.rand(n, generator=g))
-            m.weight.copy_(0.8 + 0.4 * torch.rand(n, generator=g))
-            m.bias.copy_(0.1 * torch.randn(n, generator=g))
-
-
-@torch.no_grad()
-def draw_bn_model_state(model, seed):
-    """tests/model_state.py's randomise_bn."""
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            n = m.num_features
-            m.running_mean.copy_(torch.rand(n, generator=g) * 2 - 1)
-            m.running_var.copy_(torch.rand(n, generator=g) * 1.5 + 0.5)
-            m.weight.copy_(torch.rand(n, generator=g) + 0.5)
-            m.bias.copy_(torch.rand(n, generator=g) - 0.5)
-
-
 def build(name, seed, bn):
     """bench_networks.build: float32, eval mode, seeded weights, BatchNorm statistics drawn."""
     torch.manual_seed(seed)
     model = ResNet(**NETWORKS[name])
-    (draw_bn_bench if bn == "bench" else draw_bn_model_state)(model, seed)
+    (_draw_batchnorm if bn == "bench" else randomise_bn)(model, seed)
     return model.eval()
 
 
 def make_input(image, seed, batch=1):
-    """bench_networks.make_input (bf16, channels_last)."""
-    x = torch.randn(batch, 3, image, image, generator=torch.Generator().manual_seed(seed + batch))
-    return x.to(BF16).contiguous(memory_format=torch.channels_last)
+    """bench_networks.make_input's bf16 channels_last input, on the CPU."""
+    return bench_input(batch, image, "bf16-cl", "cpu", seed)
 
 
 # --- one forward pass, each conv+BN unit computed by a pluggable `unit` ------------------------------
