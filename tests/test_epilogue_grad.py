@@ -66,25 +66,25 @@ def _assert_same(got, want, **kw):
             torch.testing.assert_close(g, t, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}", **kw)
 
 
-@pytest.mark.parametrize("activation,slope", ACTIVATIONS, ids=IDS)
-@pytest.mark.parametrize("bias,residual", [(True, True), (False, False)], ids=["bias+residual", "bare"])
-def test_gradients_match_torchs_in_float64(activation, slope, bias, residual):
+def _check_against_torch(activation, slope, bias, residual):
     tensors = _tensors(bias, residual)
     grad_out = _grad_out()
     got = _grads(lambda *t: _call(*t, activation, slope), tensors, grad_out)
     want = _grads(lambda *t: _torch(*t, activation, slope), tensors, grad_out)
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("activation,slope", ACTIVATIONS, ids=IDS)
+@pytest.mark.parametrize("bias,residual", [(True, True), (False, False)], ids=["bias+residual", "bare"])
+def test_gradients_match_torchs_in_float64(activation, slope, bias, residual):
+    _check_against_torch(activation, slope, bias, residual)
 
 
 @pytest.mark.parametrize("activation,slope", [("relu", 0.01), ("silu", 0.01)], ids=["relu", "silu"])
 @pytest.mark.parametrize("bias,residual", [(True, False), (False, True)], ids=["bias", "residual"])
 def test_a_bias_or_a_residual_alone(activation, slope, bias, residual):
     # (relu reads the output; silu recomputes the pre-activation from whichever of the two there is)
-    tensors = _tensors(bias, residual)
-    grad_out = _grad_out()
-    got = _grads(lambda *t: _call(*t, activation, slope), tensors, grad_out)
-    want = _grads(lambda *t: _torch(*t, activation, slope), tensors, grad_out)
-    _assert_same(got, want)
+    _check_against_torch(activation, slope, bias, residual)
 
 
 # Every activation's kinks, and values one ulp inside them: hardsigmoid's z + 3 rounds to 6 at
