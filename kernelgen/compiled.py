@@ -18,7 +18,8 @@ the eager Function saves: the call's output where the derivative reads it, else 
 residual from which the operator recomputes the pre-activation; a plain call saves input and weight.
 
 A call with a fused epilogue (activation, residual) is the operator `kernelgen::conv2d_epilogue`,
-whose schema is conv2d's and the epilogue's three arguments, with the same implementations: a graph
+whose schema is conv2d's and the epilogue's arguments (activation, negative_slope, residual, and
+scale last with a default, so a graph without one holds the node it held before), with the same implementations: a graph
 of plain calls holds `kernelgen::conv2d` with the schema it had before epilogues (a TorchScript
 node holds every input of its schema, so a longer one would change every traced graph).
 
