@@ -492,12 +492,13 @@ def test_torch_compile_vmap_flops_and_profiler_carry_the_epilogue():
 def test_a_call_without_an_epilogue_keeps_the_operators_form():
     # A plain call's graphs hold kernelgen::conv2d with the eleven inputs of before epilogues (a
     # TorchScript node holds every input of its schema, and kernelgen.onnx translates those); a
-    # call with an epilogue is kernelgen::conv2d_epilogue, the three more.
+    # call with an epilogue is kernelgen::conv2d_epilogue, the three more (and a scale, last with a
+    # default: a call without one holds the node of before scales).
     x, w = _call_args()
     r = torch.randn(2, 6, 9, 9)
     assert len(torch.ops.kernelgen.conv2d.default._schema.arguments) == 11
     assert [a.name for a in torch.ops.kernelgen.conv2d_epilogue.default._schema.arguments][11:] == \
-        ["activation", "negative_slope", "residual"]
+        ["activation", "negative_slope", "residual", "scale"]
     nodes = []
 
     def backend(gm, example_inputs):
