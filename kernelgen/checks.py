@@ -198,6 +198,26 @@ def check_residual(residual, input: torch.Tensor, call: Call) -> None:
                                 f"{residual.layout}")
 
 
+def check_scale(scale, input: torch.Tensor, call: Call) -> None:
+    """A call's `scale` (after check_call): None, or a dense 1-D float32 tensor of out_channels
+    elements on the input's device (whatever the input's dtype: the kernels multiply their
+    float32/float64 accumulator by it). Any strides: the call hands the kernel a contiguous copy."""
+    if scale is None:
+        return
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"conv2d(): argument 'scale' must be Tensor or None, not {type(scale).__name__}")
+    if scale.layout != torch.strided:
+        raise ConvArgumentError(f"kernelgen.conv2d needs dense (strided) tensors; scale has layout {scale.layout}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"scale must be a float32 tensor (whatever the input's dtype), got {scale.dtype}; "
+                        f"pass scale.float()")
+    if list(scale.shape) != [call.K]:
+        raise ConvArgumentError(f"scale must be 1-dimensional with out_channels={call.K} elements, but got scale "
+                                f"of size {_size(scale)}")
+    if scale.device != input.device:
+        raise ConvArgumentError(f"scale must be on the input's device {input.device}, but it is on {scale.device}")
+
+
 def spec_params(input: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> dict:
     """The spec fields a call determines, after check_shapes, whose int `groups` it takes (family,
     layout, math, tiles come later)."""

@@ -18,7 +18,8 @@ the eager Function saves: the call's output where the derivative reads it, else 
 residual from which the operator recomputes the pre-activation; a plain call saves input and weight.
 
 A call with a fused epilogue (activation, residual) is the operator `kernelgen::conv2d_epilogue`,
-whose schema is conv2d's and the epilogue's three arguments, with the same implementations: a graph
+whose schema is conv2d's and the epilogue's arguments (activation, negative_slope, residual, and
+scale last with a default, so a graph without one holds the node it held before), with the same implementations: a graph
 of plain calls holds `kernelgen::conv2d` with the schema it had before epilogues (a TorchScript
 node holds every input of its schema, so a longer one would change every traced graph).
 
@@ -56,21 +57,22 @@ def conv2d_epilogue_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional
                        padding: list[int], padding_mode: Optional[str], dilation: list[int], groups: int,
                        precision: Optional[str], family: Optional[str], tiles: Optional[str],
                        activation: Optional[str], negative_slope: float,
-                       residual: Optional[torch.Tensor]) -> torch.Tensor:
-    """A call with a fused epilogue, computed eagerly by kernelgen.conv2d."""
+                       residual: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A call with a fused epilogue, computed eagerly by kernelgen.conv2d. (`scale` last, with a
+    default: a graph captured without one holds the node it held before scales.)"""
     return _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
-                  activation, negative_slope, residual)
+                  activation, negative_slope, residual, scale)
 
 
 def _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
-           activation=None, negative_slope=0.01, residual=None):
+           activation=None, negative_slope=0.01, residual=None, scale=None):
     from .functional import conv2d
 
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         return conv2d(input, weight, bias, stride, padding_mode or padding, dilation, groups, precision=precision,
                       family=family, tiles=None if tiles is None else json.loads(tiles), activation=activation,
-                      negative_slope=negative_slope, residual=residual)
+                      negative_slope=negative_slope, residual=residual, scale=scale)
     finally:
         _inside.depth -= 1
 
@@ -78,7 +80,7 @@ def _eager(input, weight, bias, stride, padding, padding_mode, dilation, groups,
 @conv2d_op.register_fake
 @conv2d_epilogue_op.register_fake
 def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
-          activation=None, negative_slope=0.01, residual=None):
+          activation=None, negative_slope=0.01, residual=None, scale=None):
     """The output conv2d would return, from conv2d's own checks; no kernel is chosen or built."""
     from . import checks
     from .spec import ConvSpec
@@ -91,6 +93,7 @@ def _fake(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
     if activation == "leaky_relu":
         checks.slope_bits(negative_slope)
     checks.check_residual(residual, input, call)
+    checks.check_scale(scale, input, call)
     shape = (call.K, call.P, call.Q) if call.unbatched else (call.N, call.K, call.P, call.Q)
     return torch.empty(shape, dtype=input.dtype, device=input.device,
                        memory_format=torch.channels_last if call.channels_last else torch.contiguous_format)
@@ -101,24 +104,24 @@ def backward_op(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, o
                 bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], stride: list[int], padding: list[int],
                 padding_mode: Optional[str], dilation: list[int], groups: int, precision: Optional[str],
                 family: Optional[str], tiles: Optional[str], activation: Optional[str], negative_slope: float,
-                needs: list[bool]) -> list[torch.Tensor]:
+                needs: list[bool], scale: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """What a compiled graph's backward through conv2d runs: the gradients autograd `needs` (input,
     weight, bias, residual), each by kernelgen's forward kernels (gradients.backward); one not
     needed is an empty tensor. Through an activation: from the call's `output` where
     gradients.from_output says so, else from the pre-activation recomputed from input, weight,
-    `bias` and `residual` (each None where not saved). (An operator, so that the backward graph
-    holds one node.)"""
+    `bias` and `residual` (each None where not saved); `scale`: the epilogue's, if any. (An operator,
+    so that the backward graph holds one node.)"""
     from .gradients import backward
 
     grads = backward(grad, input, weight, needs, stride, padding_mode or padding, dilation, groups, precision,
                      activation, negative_slope, output=output, bias=bias, residual=residual, family=family,
-                     tiles=None if tiles is None else json.loads(tiles))
+                     tiles=None if tiles is None else json.loads(tiles), scale=scale)
     return [g if g is not None else grad.new_empty(0) for g in grads]
 
 
 @backward_op.register_fake
 def _fake_backward(grad, input, weight, output, bias, residual, stride, padding, padding_mode, dilation, groups,
-                   precision, family, tiles, activation, negative_slope, needs):
+                   precision, family, tiles, activation, negative_slope, needs, scale=None):
     likes = (input, weight, weight.new_empty(weight.shape[0]), grad)
     return [torch.empty_like(t) if n else grad.new_empty(0) for t, n in zip(likes, needs)]
 
@@ -130,24 +133,30 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = inputs[2] is not None
     ctx.activation, ctx.negative_slope = (inputs[11], inputs[12]) if len(inputs) > 11 else (None, 0.01)
     ctx.has_residual = len(inputs) > 13 and inputs[13] is not None
+    scale = inputs[14] if len(inputs) > 14 else None
     ctx.n_inputs = len(inputs)
-    if ctx.activation is None:
+    if ctx.activation is None and scale is None:
         ctx.save_for_backward(inputs[0], inputs[1])
+    elif ctx.activation is None:
+        ctx.save_for_backward(inputs[0], inputs[1], None, None, None, scale)
     else:
         from .gradients import from_output
 
         keep = from_output(ctx.activation, ctx.negative_slope)
         ctx.save_for_backward(inputs[0], inputs[1], output if keep else None, None if keep else inputs[2],
-                              None if keep else inputs[13])
+                              None if keep else inputs[13], scale)
 
 
 def _backward(ctx, grad):
     input, weight, *epilogue = ctx.saved_tensors
-    output, bias, residual = epilogue or (None, None, None)
+    output, bias, residual, scale = epilogue or (None, None, None, None)
     n = ctx.needs_input_grad
+    if len(n) > 14 and n[14]:
+        raise NotImplementedError("kernelgen.conv2d: the scale gets no gradient; pass scale.detach() (a folded "
+                                  "BatchNorm's scale is a constant of inference)")
     needs = [bool(n[0]), bool(n[1]), ctx.has_bias and bool(n[2]), ctx.has_residual and bool(n[13])]
     grads = backward_op(grad, input, weight, output, bias, residual, *ctx.params, ctx.activation,
-                        ctx.negative_slope, needs)
+                        ctx.negative_slope, needs, scale)
     gi, gw, gb, gr = (g if need else None for g, need in zip(grads, needs))
     out = [gi, gw, gb] + [None] * (ctx.n_inputs - 3)
     if ctx.n_inputs > 13:
@@ -173,23 +182,30 @@ def _ints(name: str, value) -> list[int]:
 
 def call(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
          tiles: Mapping[str, int] | None, activation: str | None = None, negative_slope: float = 0.01,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """conv2d's call through the operator, its arguments in the schema's forms (int lists; padding
     'same' or 'valid' as padding_mode; tiles as JSON). Traced by Dynamo: no imports here.
 
     Under ONNX export the call is F.conv2d instead, then the epilogue as torch's own operators: its
     semantics, which both exporters write as a standard `Conv` (and the activation's and `Add`'s
-    nodes; an ONNX file never runs kernelgen's kernels)."""
+    nodes; an ONNX file never runs kernelgen's kernels). A scale is then a `Mul` between the Conv
+    (without its bias) and an `Add` of the bias."""
     if _onnx_exporting():
-        y = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
+        if scale is not None:
+            y = epilogue(torch.nn.functional.conv2d(input, weight, None, stride, padding, dilation, groups), None,
+                         scale=scale, bias=bias)
+        else:
+            y = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
         return epilogue(y, activation, negative_slope, residual)
     mode = padding if isinstance(padding, str) else None
     args = (input, weight, bias, _ints("stride", stride), [0, 0] if mode else _ints("padding", padding), mode,
             _ints("dilation", dilation), _int("groups", groups), precision, family,
             None if tiles is None else json.dumps(dict(tiles), sort_keys=True))
-    if activation is None and residual is None:
+    if activation is None and residual is None and scale is None:
         return conv2d_op(*args)
-    return conv2d_epilogue_op(*args, activation, _slope(activation, negative_slope), residual)
+    if scale is None:  # (the node a graph without a scale held before scales)
+        return conv2d_epilogue_op(*args, activation, _slope(activation, negative_slope), residual)
+    return conv2d_epilogue_op(*args, activation, _slope(activation, negative_slope), residual, scale)
 
 
 def _slope(activation, value) -> float:
@@ -216,9 +232,19 @@ TORCH_ACTIVATIONS = {
 
 
 def epilogue(y: torch.Tensor, activation: str | None, negative_slope: float = 0.01,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
     """activation(y + residual) by torch's own operators: the fused epilogue's semantics, as
-    torch.onnx.export records it."""
+    torch.onnx.export records it. With a `scale` (float32, per output channel), y is the convolution
+    without its bias, and the result activation(y * scale[k] + bias[k] + residual), computed in
+    float32 (float64 for float64) and rounded once to y's dtype."""
+    if scale is not None:  # in the accumulator's type throughout, rounded once at the end, as the kernels
+        dtype, shape = y.dtype, (-1, 1, 1)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        y = y.to(wide) * scale.to(wide).reshape(shape)
+        if bias is not None:
+            y = y + bias.to(wide).reshape(shape)
+        return epilogue(y, activation, negative_slope, None if residual is None else residual.to(wide)).to(dtype)
     if residual is not None:
         y = y + residual
     if activation is None:
@@ -232,7 +258,7 @@ def epilogue(y: torch.Tensor, activation: str | None, negative_slope: float = 0.
 
 def route(input, weight, bias, stride, padding, dilation, groups, precision: str | None, family: str | None,
           tiles: Mapping[str, int] | None, activation: str | None = None, negative_slope: float = 0.01,
-          residual: torch.Tensor | None = None) -> torch.Tensor | None:
+          residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """An eager call that something wraps or watches, through the operator; None where the eager
     path should run it.
 
@@ -247,10 +273,11 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
     """
     if getattr(_inside, "depth", 0) or not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)
                                             and (bias is None or isinstance(bias, torch.Tensor))
-                                            and (residual is None or isinstance(residual, torch.Tensor))):
+                                            and (residual is None or isinstance(residual, torch.Tensor))
+                                            and (scale is None or isinstance(scale, torch.Tensor))):
         return None
     return call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, activation,
-                negative_slope, residual)
+                negative_slope, residual, scale)
 
 
 @torch.compiler.assume_constant_result
@@ -269,14 +296,17 @@ def _vmap(info, in_dims, input, weight, bias, *params):
     a vmapped residual with a shared input, is one call per sample, stacked (correct; as slow as a
     loop)."""
     x_dim, w_dim, b_dim = in_dims[:3]
-    epilogue = len(params) > 8  # (conv2d_epilogue_op: activation, negative_slope, residual follow)
-    params, residual = params[:10], params[10] if epilogue else None
+    epilogue = len(params) > 8  # (conv2d_epilogue_op: activation, negative_slope, residual, scale follow)
+    params, residual, scale = params[:10], params[10] if epilogue else None, params[11] if len(params) > 11 else None
     r_dim = in_dims[13] if epilogue else None
+    s_dim = in_dims[14] if len(in_dims) > 14 else None
 
-    def op(x, w, b, r):
-        return conv2d_epilogue_op(x, w, b, *params, r) if epilogue else conv2d_op(x, w, b, *params)
+    def op(x, w, b, r, s=scale):
+        if not epilogue:
+            return conv2d_op(x, w, b, *params)
+        return conv2d_epilogue_op(x, w, b, *params, r) if s is None else conv2d_epilogue_op(x, w, b, *params, r, s)
 
-    if w_dim is None and b_dim is None and x_dim is not None:
+    if w_dim is None and b_dim is None and s_dim is None and x_dim is not None:
         x = input.movedim(x_dim, 0)
         r = None
         if residual is not None:  # (vmapped, *the output's shape of one sample)
@@ -289,8 +319,8 @@ def _vmap(info, in_dims, input, weight, bias, *params):
     def sample(t, dim, i):
         return t if t is None or dim is None else t.select(dim, i)
 
-    ys = [op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), sample(residual, r_dim, i))
-          for i in range(info.batch_size)]
+    ys = [op(sample(input, x_dim, i), sample(weight, w_dim, i), sample(bias, b_dim, i), sample(residual, r_dim, i),
+             sample(scale, s_dim, i)) for i in range(info.batch_size)]
     return torch.stack(ys), 0
 
 

@@ -151,8 +151,15 @@ def revert(model: nn.Module) -> nn.Module:
     """Undo `convert` in place (returns `model`): every converted layer gets its original class
     back, a kernelgen.Conv2d built directly becomes a torch.nn.Conv2d, and a fused forward goes
     (each module runs its own class's forward again). Parameters, buffers and state_dict are
-    kept, so outputs match the model before `convert` (a folded BatchNorm stays folded)."""
+    kept, so outputs match the model before `convert` (a folded BatchNorm stays folded). A 16-bit
+    conv's folded BatchNorm scale (the buffer `bn_scale`, which torch's Conv2d would ignore) is
+    folded into its weight then, rounded to the weight's dtype, and the buffer dropped: the plain
+    torch model computes what the converted one did, with that one rounding more."""
     for m in model.modules():
+        if BN_SCALE in m._buffers and isinstance(m, nn.Conv2d):
+            with torch.no_grad():
+                s = m._buffers.pop(BN_SCALE)
+                m.weight.copy_(m.weight.double() * s.double().reshape(-1, 1, 1, 1))
         if isinstance(m.__dict__.get("forward"), FusedForward):
             del m.__dict__["forward"]
         layer = m.__dict__.pop(ATTR, None)
@@ -226,6 +233,10 @@ def _kg_conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torc
         input, padding = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode), 0
     if _calls is not None:  # the subclass may pass a weight of its own making: record what is convolved
         _calls[self] = _call(self, input, weight, bias, padding)
+    scale = self._buffers.get(BN_SCALE)
+    if scale is not None:
+        return conv2d(input, weight, bias, self.stride, padding, self.dilation, self.groups, precision=self.precision,
+                      scale=scale)
     return conv2d(input, weight, bias, self.stride, padding, self.dilation, self.groups, precision=self.precision)
 
 
@@ -329,10 +340,20 @@ def _sequential_pairs(model: nn.Module) -> list[tuple[str, str]]:
     return pairs
 
 
+# The float32 per-output-channel scale a 16-bit conv keeps of its folded BatchNorm (a persistent buffer,
+# so state_dict carries it), which its forward passes to kernelgen.conv2d as `scale`.
+BN_SCALE = "bn_scale"
+
+
 @torch.no_grad()
 def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
     """conv's weight and bias made those of bn(conv(x)) in eval mode, computed in float64. The
-    weight is updated in place (the same Parameter); a conv without bias gains one."""
+    weight is updated in place (the same Parameter); a conv without bias gains one.
+
+    A float16/bfloat16 conv keeps its weight as it is: rounding w * scale to 16 bits a second time
+    costs ResNet-50's bf16 logits 1.66x eager's error (benchmarks/results/cpu_fold_accuracy.md).
+    It gains the scale as a float32 buffer `bn_scale` instead, which the kernel's epilogue applies
+    to its float32 accumulator before the (folded, 16-bit) bias: 0.93x eager's error."""
     scale = torch.rsqrt(bn.running_var.double() + bn.eps)
     if bn.weight is not None:
         scale = scale * bn.weight.double()
@@ -341,7 +362,12 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
         shift = shift + bn.bias.double()
     w = conv.weight
     bias = shift if conv.bias is None else conv.bias.double() * scale + shift
-    w.copy_(w.double() * scale.reshape(-1, 1, 1, 1))
+    if w.dtype in (torch.float16, torch.bfloat16):
+        if BN_SCALE in conv._buffers:  # (folded twice: the scales compose, as the bias just did)
+            scale = scale * conv._buffers[BN_SCALE].double()
+        conv.register_buffer(BN_SCALE, scale.to(device=w.device, dtype=torch.float32), persistent=True)
+    else:
+        w.copy_(w.double() * scale.reshape(-1, 1, 1, 1))
     if conv.bias is None:
         conv.bias = nn.Parameter(bias.to(device=w.device, dtype=w.dtype), requires_grad=w.requires_grad)
     else:
@@ -890,7 +916,8 @@ def _measure(model: nn.Module, calls: dict, fallback: str | None) -> None:
     for m, call in calls.items():
         layer = getattr(m, ATTR)
         layer.us, layer.torch_us = times[_signature(call)]
-        if fallback == "torch" and layer.us > layer.torch_us:
+        if fallback == "torch" and layer.us > layer.torch_us and BN_SCALE not in m._buffers:
+            # (a layer keeping a folded BatchNorm's scale stays on kernelgen: torch's conv cannot apply it)
             layer.fallback = "torch"
             m.__class__ = layer.original
             count("convert_fallbacks")

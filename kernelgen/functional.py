@@ -151,7 +151,7 @@ def _gpu(index: int) -> "Device":
 def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
            dilation=1, groups: int = 1, *, precision: str | None = None, family: str | None = None,
            tiles: Mapping[str, int] | None = None, activation: str | None = None, negative_slope: float = 0.01,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """2-D convolution with F.conv2d's semantics, computed by JIT-compiled kernelgen kernels.
 
     input: (N, C_in, H, W) or unbatched (C_in, H, W); any strides (channels_last too).
@@ -176,12 +176,19 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         leaky_relu's slope, a finite float (ignored by the others; the kernels take it as a
         float32). residual: None or a tensor of exactly the output's shape, dtype and device
         (any strides).
+    scale: None or a 1-D float32 tensor of out_channels elements on the input's device (whatever
+        the input's dtype; any strides): each output channel's accumulator is multiplied by it
+        before the bias, so the call returns activation(scale[k] * conv2d(input, weight)[k] +
+        bias[k] + residual), rounded once. This is a folded BatchNorm's scale kept in float32
+        while the weights keep their own rounding (kernelgen.convert(fold_bn=True) on 16-bit models).
 
     Autograd: the gradients are computed by kernelgen's own forward kernels (gradients.py),
     through a fused activation by torch's own derivative of it (its ties and NaN): read from
     the saved output for relu, relu6, sigmoid and leaky_relu with a slope >= 0; for the others
     backward recomputes the pre-activation with one more forward call. The residual's gradient
-    is the pre-activation's. Double backward raises NotImplementedError.
+    is the pre-activation's. With a scale, input, weight and bias gradients are those of the
+    convolution whose output gradient is grad_z * scale[k]; the scale itself gets no gradient
+    (NotImplementedError where autograd would need one). Double backward raises NotImplementedError.
 
     Under torch.autocast the call computes in the region's dtype, as F.conv2d does.
     """
@@ -190,25 +197,27 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         input, weight, bias = _autocast(device_type, input, weight, bias)
     if _compiling():  # torch.compile is tracing: the call becomes one operator of the graph
         return compiled.call(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
-                             activation, negative_slope, residual)
+                             activation, negative_slope, residual, scale)
     if (_dispatch_modes() or _functorch_level() is not None or _tracing_state() is not None
             or _profiler._is_profiler_enabled or input.__class__ is not _Tensor or weight.__class__ not in _PLAIN
             or (bias is not None and bias.__class__ not in _PLAIN)
-            or (residual is not None and residual.__class__ not in _PLAIN)):
+            or (residual is not None and residual.__class__ not in _PLAIN)
+            or (scale is not None and scale.__class__ not in _PLAIN)):
         y = compiled.route(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
-                           activation, negative_slope, residual)
+                           activation, negative_slope, residual, scale)
         if y is not None:
             return y
-        if _profiler._is_profiler_enabled and activation is None and residual is None:
+        if _profiler._is_profiler_enabled and activation is None and residual is None and scale is None:
             # inside the operator: the launch as a range naming its family
             return _profiled(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     if _meta_observers and isinstance(input, torch.Tensor) and input.is_meta:
         for observe in list(_meta_observers):
             observe(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
-                    activation=activation, residual=residual)
-    if activation is not None or residual is not None:  # a fused epilogue (kept apart: plain calls pay nothing)
+                    activation=activation, residual=residual, **({} if scale is None else {"scale": scale}))
+    # a fused epilogue (kept apart: plain calls pay nothing)
+    if activation is not None or residual is not None or scale is not None:
         return _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
-                                activation, negative_slope, residual)
+                                activation, negative_slope, residual, scale)
     if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias)):
         input, weight, bias = _resolve_neg(input, weight, bias)
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
@@ -249,10 +258,10 @@ _slopes: dict[float, int] = {}  # negative_slope -> its float32 bits (a small me
 
 
 def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
-                     activation, negative_slope, residual) -> torch.Tensor:
-    """conv2d with a fused epilogue (an activation, a residual): its plan is memoised under the
-    signature and the epilogue's (the activation's name, the residual's shape, strides, dtype and
-    device); the slope travels at run time."""
+                     activation, negative_slope, residual, scale=None) -> torch.Tensor:
+    """conv2d with a fused epilogue (a scale, an activation, a residual): its plan is memoised under
+    the signature and the epilogue's (the activation's name, the residual's and the scale's shape,
+    strides, dtype and device); the slope travels at run time."""
     alpha = 0
     if activation == "leaky_relu":
         alpha = _slopes.get(negative_slope) if negative_slope.__class__ is float else None
@@ -264,20 +273,28 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
                 _slopes[negative_slope] = alpha
     if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias, residual)):
         input, weight, bias, residual = _resolve_neg(input, weight, bias, residual)
+    if isinstance(scale, torch.Tensor) and scale.is_neg():
+        scale = scale.resolve_neg()
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, activation,
-                    residual)
+                    residual, scale)
     plan = None if sig is None else _plans.get(sig)
     if plan is None:
         plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
-                          activation, residual)
+                          activation, residual, scale)
         if sig is not None:
             _plans[sig] = plan
+    if scale is not None and not scale.is_contiguous():  # (the kernels read scale[k]; the plan checked it)
+        scale = scale.contiguous()
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)
-                                    or (residual is not None and residual.requires_grad)):
+                                    or (residual is not None and residual.requires_grad)
+                                    or (scale is not None and scale.requires_grad)):
+        if scale is not None and scale.requires_grad:
+            raise NotImplementedError("kernelgen.conv2d: the scale gets no gradient; pass scale.detach() (a folded "
+                                      "BatchNorm's scale is a constant of inference)")
         return _autograd().apply(plan, (stride, padding, dilation, groups, precision, family, tiles, activation,
-                                        negative_slope), input, weight, bias, residual, alpha)
-    return _run(plan, input, weight, bias, residual=residual, alpha=alpha)
+                                        negative_slope), input, weight, bias, residual, alpha, scale)
+    return _run(plan, input, weight, bias, residual=residual, alpha=alpha, scale=scale)
 
 
 def _resolve_neg(*tensors):
@@ -288,20 +305,25 @@ def _resolve_neg(*tensors):
 
 
 def signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, activation=None,
-              residual=None) -> tuple | None:
+              residual=None, scale=None) -> tuple | None:
     """What a plan is memoised under: the tensors' shapes, strides, dtypes and devices, the
     parameters and the float32 math the call resolves to; with an epilogue, its activation and
-    the residual's shape, strides, dtype and device too (a call without one keeps the signature
-    it had before epilogues). None where the arguments are not tensors or not plain values (the
+    the residual's shape, strides, dtype and device too, and the scale's where there is one (a call
+    without one keeps the signature it had before epilogues, and one without a scale the one it had
+    before scales). None where the arguments are not tensors or not plain values (the
     full path explains what is wrong)."""
     try:
-        if activation is not None or residual is not None:
+        if activation is not None or residual is not None or scale is not None:
             if activation is not None and activation.__class__ is not str:
                 return None
             if residual is not None and residual.layout is not torch.strided:
                 return None
             epi = (activation, None if residual is None else (residual.shape, residual.stride(), residual.dtype,
                                                                residual.device))
+            if scale is not None:
+                if scale.layout is not torch.strided:
+                    return None
+                epi += ((scale.shape, scale.stride(), scale.dtype, scale.device),)
             base = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
             return None if base is None else base + epi
         dtype = input.dtype
@@ -322,25 +344,25 @@ def signature(input, weight, bias, stride, padding, dilation, groups, precision,
 
 def spec_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, device: str | None = None,
              precision: str | None = None, family: str | None = None, tiles: Mapping[str, int] | None = None,
-             activation: str | None = None, residual=None) -> tuple["ConvSpec | None", "Call"]:
+             activation: str | None = None, residual=None, scale=None) -> tuple["ConvSpec | None", "Call"]:
     """(spec, call): the kernel `conv2d` would compile for these arguments (untuned: the
     selector's first choice), and the call's sizes.
 
     The tensors may live on 'meta' (shapes and strides are all that is read); `device`
     ('cuda' or 'cpu') says which device to plan for, default the tensors'. The spec is
-    None when there is nothing to compute (an empty batch). `activation` and `residual` (a
-    tensor, on meta too) are conv2d's epilogue.
+    None when there is nothing to compute (an empty batch). `activation`, `residual` and `scale`
+    (tensors, on meta too) are conv2d's epilogue.
     """
     specs, call = candidates_for(input, weight, bias, stride, padding, dilation, groups, device=device,
                                  precision=precision, family=family, tiles=tiles, activation=activation,
-                                 residual=residual)
+                                 residual=residual, scale=scale)
     return (specs[0] if specs else None), call
 
 
 def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
                    device: str | None = None, precision: str | None = None, family: str | None = None,
                    tiles: Mapping[str, int] | None = None, every: bool = False, activation: str | None = None,
-                   residual=None) -> tuple[list["ConvSpec"], "Call"]:
+                   residual=None, scale=None) -> tuple[list["ConvSpec"], "Call"]:
     """(specs, call): what the families can run for these arguments, the selector's ranking of
     their first choices first, then (with `every`) each family's other configurations in the
     same order of families; and the call's sizes. Empty where there is nothing to compute.
@@ -359,6 +381,8 @@ def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, gr
     params["activation"] = checks.check_activation(activation)
     checks.check_residual(residual, input, call)
     params["residual"] = residual is not None
+    checks.check_scale(scale, input, call)
+    params["scale"] = scale is not None
     if call.N == 0 or device == "meta":
         return [], call
     sample = select.sampled_1x1(probe, device, call.channels_last) if family is None else None
@@ -366,7 +390,7 @@ def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, gr
         view = input[..., ::sample[0], ::sample[1]]
         specs, vcall = candidates_for(view, weight, bias, 1, 0, dilation, groups, device=device,
                                       precision=precision, tiles=tiles, every=every, activation=activation,
-                                      residual=residual)
+                                      residual=residual, scale=scale)
         if vcall.channels_last == call.channels_last:  # (a degenerate view could look channels_last)
             return specs, dataclasses.replace(vcall, sample=sample)
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
@@ -410,7 +434,7 @@ def _record_name(sig: tuple, input: torch.Tensor) -> str:
 
 
 def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
-               activation=None, residual=None) -> Plan:
+               activation=None, residual=None, scale=None) -> Plan:
     device = input.device.type if isinstance(input, torch.Tensor) else None
     record_name, record = None, None
     if sig is not None and device in ("cuda", "cpu") and input.numel() > 0:
@@ -422,7 +446,7 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
             try:
                 launch = load_entry(record["key"], cache, expect=_runtime_fields(device, arch))
                 if launch is not None and plans.fits(record, entry_spec(record["key"]), input, weight, bias, stride,
-                                                     padding, dilation, groups, activation, residual):
+                                                     padding, dilation, groups, activation, residual, scale):
                     log.debug("plan for conv2d(input %s, weight %s): %s (from its plan record)",
                               tuple(input.shape), tuple(weight.shape), record.get("summary"))
                     return _plan(launch, record["key"], record["call"], record["prep"], input, weight, bias,
@@ -430,14 +454,14 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
             except (KeyError, TypeError, ValueError):  # a damaged record: the full path rewrites it
                 record = None
     spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
-                          family=family, tiles=tiles, activation=activation, residual=residual)
+                          family=family, tiles=tiles, activation=activation, residual=residual, scale=scale)
     if spec is None:  # nothing to compute (an empty batch, meta tensors): F.conv2d returns NCHW there
         return _plan(None, None, _call_fields(dataclasses.replace(call, channels_last=False)), "any", input,
                      weight, bias)
     tuned = _tuned_spec(record, spec, input) if family is None and tiles is None else None
     if tuned is not None:  # measured on this GPU before, its kernel since pruned: build it again
         spec = tuned
-    elif (record_name is not None and family is None and tiles is None and config.tune()
+    elif (record_name is not None and family is None and tiles is None and config.tune() and scale is None
           and not (device == "cuda" and torch.cuda.is_current_stream_capturing())):
         from .tuner import tune  # KERNELGEN_TUNE: measure the candidates now; tune writes the record
 
@@ -447,7 +471,7 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
         tuned = _tuned_spec(record, spec, input)
         spec = tuned or spec
     return _build_plan(spec, call, input, weight, bias, stride, padding, dilation, groups, precision, family,
-                       record_name, record if tuned is not None else None, activation, residual)
+                       record_name, record if tuned is not None else None, activation, residual, scale)
 
 
 def _tuned_spec(record: dict | None, untuned: "ConvSpec", input: torch.Tensor) -> "ConvSpec | None":
@@ -462,7 +486,7 @@ def _tuned_spec(record: dict | None, untuned: "ConvSpec", input: torch.Tensor) -
     try:
         spec = ConvSpec.from_dict(json.loads(record["tuned"]["spec"]))
         same = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "dtype",
-                "bias", "device", "activation", "residual")
+                "bias", "device", "activation", "residual", "scale")
         if any(getattr(spec, f) != getattr(untuned, f) for f in same):
             return None
         get_family(spec.family).check(spec, _gpu(input.device.index) if input.is_cuda else None)
@@ -472,7 +496,7 @@ def _tuned_spec(record: dict | None, untuned: "ConvSpec", input: torch.Tensor) -
 
 
 def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, groups, precision, family,
-                record_name, tuned_record, activation=None, residual=None) -> Plan:
+                record_name, tuned_record, activation=None, residual=None, scale=None) -> Plan:
     """Load or build `spec`'s kernel, record the plan (keeping a tuned record's measurements) and
     return it."""
     from .errors import CompileError
@@ -494,7 +518,7 @@ def _build_plan(spec, call, input, weight, bias, stride, padding, dilation, grou
         count("fallbacks")
         fell_back = True
         spec, call = spec_for(input, weight, bias, stride, padding, dilation, groups, precision=precision,
-                              family="direct", activation=activation, residual=residual)
+                              family="direct", activation=activation, residual=residual, scale=scale)
         launch, key = load_kernel(spec, toolchain)
     why = ("forced by the call" if family is not None else "the direct family, after the chosen one failed to build"
            if fell_back else "measured fastest on this GPU" if tuned_record is not None else "the selector's choice")
@@ -644,9 +668,11 @@ def _plan(launch, key, call_fields, layout, input, weight, bias, residual=None) 
 
 
 def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-         out: torch.Tensor | None = None, residual: torch.Tensor | None = None, alpha: int = 0) -> torch.Tensor:
+         out: torch.Tensor | None = None, residual: torch.Tensor | None = None, alpha: int = 0,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch `plan` on the call's tensors; into `out` (of the plan's shape and format) where given.
-    `residual` and `alpha` (a float's 32 bits): the epilogue's, for a plan whose kernel has one."""
+    `residual`, `alpha` (a float's 32 bits) and `scale` (contiguous float32): the epilogue's, for a
+    plan whose kernel has one."""
     y = torch.empty(plan.out_shape, dtype=input.dtype, device=input.device, memory_format=plan.fmt) \
         if out is None else out
     if plan.launch is not None:
@@ -679,7 +705,7 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             wp = pack.buf if pack is not None else torch.empty(plan.packed, dtype=torch.uint8, device=input.device)
         did_pack = plan.launch(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), *plan.args,
                                stream, 0 if ws is None else ws.data_ptr(), 0 if wp is None else wp.data_ptr(), ready,
-                               0 if r is None else r.data_ptr(), alpha)
+                               0 if r is None else r.data_ptr(), alpha, 0 if scale is None else scale.data_ptr())
         if did_pack and pack is not None:
             packs.packed(pack, weight, stream)
     return y.squeeze(0) if plan.squeeze else y
@@ -699,18 +725,20 @@ def _autograd() -> type:
 
     class _Conv2d(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, plan, params, input, weight, bias, residual=None, alpha=0):  # type: ignore[override]
+        def forward(ctx, plan, params, input, weight, bias, residual=None, alpha=0, scale=None):  # type: ignore[override]
             # stride, padding, dilation, groups, precision, family, tiles, activation, negative_slope: as given
             ctx.params = params
-            y = _run(plan, input, weight, bias, residual=residual, alpha=alpha)
-            if params[7] is None:
+            y = _run(plan, input, weight, bias, residual=residual, alpha=alpha, scale=scale)
+            if params[7] is None and scale is None:
                 ctx.save_for_backward(input, weight)
+            elif params[7] is None:  # (the scale alone: backward reads nothing else)
+                ctx.save_for_backward(input, weight, None, None, None, scale)
             else:
                 from .gradients import from_output
 
                 keep = from_output(params[7], params[8])
                 ctx.save_for_backward(input, weight, y if keep else None, None if keep else bias,
-                                      None if keep else residual)
+                                      None if keep else residual, scale)
             return y
 
         @staticmethod
@@ -718,12 +746,13 @@ def _autograd() -> type:
             from .gradients import backward
 
             input, weight, *epilogue = ctx.saved_tensors
-            output, bias, residual = epilogue or (None, None, None)
+            output, bias, residual, scale = epilogue or (None, None, None, None)
             stride, padding, dilation, groups, precision, family, tiles, activation, negative_slope = ctx.params
             needs = (tuple(ctx.needs_input_grad[2:6]) + (False,) * 4)[:4]  # (residual: where it was given)
             grads = backward(grad, input, weight, needs, stride, padding, dilation, groups, precision, activation,
-                             negative_slope, output=output, bias=bias, residual=residual, family=family, tiles=tiles)
-            return (None, None, *grads, None)
+                             negative_slope, output=output, bias=bias, residual=residual, family=family, tiles=tiles,
+                             scale=scale)
+            return (None, None, *grads, None, None)
 
     return _Conv2d
 

@@ -310,10 +310,18 @@ def activation_grad(grad_out: torch.Tensor, activation: str, negative_slope, sav
     return _ACTIVATION_GRADS[activation](grad_out, saved, slope)
 
 
+def _scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """grad[..., k, :, :] * scale[k]: computed in float32 (float64 for float64) as the forward's
+    epilogue multiplies, rounded once to grad's dtype."""
+    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return (grad.to(wide) * scale.to(wide)[:, None, None]).to(grad.dtype)
+
+
 def backward(grad_out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, needs, stride, padding, dilation,
              groups: int, precision: str | None = None, activation: str | None = None, negative_slope=0.01, *,
              output: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None, family: str | None = None, tiles=None) -> tuple:
+             residual: torch.Tensor | None = None, family: str | None = None, tiles=None,
+             scale: torch.Tensor | None = None) -> tuple:
     """(grad_input, grad_weight, grad_bias, grad_residual) of a kernelgen.conv2d call, each None where
     `needs` (four bools: input, weight, bias, residual, as autograd's needs_input_grad) says it is not
     wanted: what the call's autograd (eager and the compiled operator's) runs.
@@ -322,7 +330,10 @@ def backward(grad_out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, 
     formula), read from `output` (the call's y) where from_output(activation, negative_slope), else
     from z = conv2d(input, weight, bias, ..., residual=residual), recomputed here by one forward call
     (the call's precision, family and tiles; activation=None). grad_z then feeds the convolution's
-    gradients and is the residual's gradient (without an activation: grad_out itself). Double
+    gradients and is the residual's gradient (without an activation: grad_out itself). With an
+    epilogue `scale` (z = scale[k] * conv2d(input, weight)[k] + bias[k] + residual), the bias and
+    residual take grad_z, input and weight the convolution's gradients of grad_z * scale[k] (in
+    float32, float64 for float64, rounded once to grad_z's dtype); the scale gets none. Double
     backward raises NotImplementedError."""
     if torch.is_grad_enabled():
         raise NotImplementedError("kernelgen.conv2d: double backward (create_graph=True) is not supported; its "
@@ -335,11 +346,14 @@ def backward(grad_out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, 
             saved = output
         else:  # the pre-activation, as the forward's kernel computed it before its activation
             saved = conv2d(input, weight, bias, stride, padding, dilation, groups, precision=precision, family=family,
-                           tiles=tiles, residual=residual)
+                           tiles=tiles, residual=residual, scale=scale)
         grad_out = activation_grad(grad_out, activation, negative_slope, saved)
-    return (input_grad(grad_out, weight, input.shape, stride, padding, dilation, groups, precision=precision)
+    grad_conv = grad_out
+    if scale is not None and (need_input or need_weight):
+        grad_conv = _scaled(grad_out, scale)
+    return (input_grad(grad_conv, weight, input.shape, stride, padding, dilation, groups, precision=precision)
             if need_input else None,
-            weight_grad(grad_out, input, weight.shape, stride, padding, dilation, groups, precision=precision)
+            weight_grad(grad_conv, input, weight.shape, stride, padding, dilation, groups, precision=precision)
             if need_weight else None,
             bias_grad(grad_out) if need_bias else None,
             grad_out if need_residual else None)

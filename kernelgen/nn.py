@@ -44,9 +44,11 @@ class Conv2d(torch.nn.Conv2d):
         padding = self.padding
         if self.padding_mode != "zeros":
             input, padding = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode), 0
-        if activation is None and residual is None:
+        # a folded BatchNorm's float32 scale (kernelgen.convert(fold_bn=True) on a 16-bit model)
+        scale = self._buffers.get("bn_scale")
+        if activation is None and residual is None and scale is None:
             return conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
                           precision=self.precision)
         return conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
                       precision=self.precision, activation=activation, negative_slope=negative_slope,
-                      residual=residual)
+                      residual=residual, scale=scale)

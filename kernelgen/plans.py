@@ -163,7 +163,7 @@ def _pads(padding, kernel, dilation) -> tuple[int, int, int, int]:
 
 
 def fits(record: dict, spec: dict | None, input, weight, bias, stride, padding, dilation, groups, activation=None,
-         residual=None) -> bool:
+         residual=None, scale=None) -> bool:
     """Whether a plan record read from disk, and the spec of the entry it names (its manifest's, as
     JSON values), describe this very call: its sizes, parameters, dtype, device and output format.
 
@@ -202,7 +202,10 @@ def fits(record: dict, spec: dict | None, input, weight, bias, stride, padding, 
             return False
         # the epilogue (fields a spec without one leaves out) and the residual it reads
         if spec.get("activation", "none") != (activation or "none") or spec.get("residual", False) != (
-                residual is not None):
+                residual is not None) or spec.get("scale", False) != (scale is not None):
+            return False
+        if scale is not None and (tuple(scale.shape) != (k,) or str(scale.dtype) != "torch.float32"
+                                  or scale.device != input.device):
             return False
         if bias is not None and tuple(bias.shape) != (k,) or weight.dtype != input.dtype:
             return False

@@ -155,6 +155,8 @@ class ConvSpec:
     activation: the epilogue's activation, 'none' or one of ACTIVATIONS (None means 'none').
     residual: whether the epilogue adds a residual tensor of the output's shape (before the
         activation, after the bias): y = activation(conv + bias + residual), rounded once.
+    scale: whether the epilogue multiplies each output channel's accumulator by a float32 scale
+        (a folded BatchNorm's) before the bias: y = activation(scale[k] * conv + bias + residual).
     """
 
     in_channels: int
@@ -173,6 +175,7 @@ class ConvSpec:
     tiles: Any = field(default_factory=tuple)
     activation: Any = "none"
     residual: bool = False
+    scale: bool = False
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -228,6 +231,8 @@ class ConvSpec:
             raise ConvArgumentError(f"activation must be None or one of {list(ACTIVATIONS)}, got {self.activation!r}")
         if not isinstance(self.residual, bool):
             raise TypeError(f"residual must be True or False, got {self.residual!r}")
+        if not isinstance(self.scale, bool):
+            raise TypeError(f"scale must be True or False, got {self.scale!r}")
 
         from .families import get_family  # the registry imports this module's types only
 
@@ -252,8 +257,9 @@ class ConvSpec:
     # -- derived values ---------------------------------------------------------------
     @property
     def epilogue(self) -> bool:
-        """Whether the kernel applies anything after the bias (an activation, a residual)."""
-        return self.activation != "none" or self.residual
+        """Whether the kernel applies anything to the accumulator but the bias (a scale, an
+        activation, a residual)."""
+        return self.activation != "none" or self.residual or self.scale
 
     @property
     def cin_per_group(self) -> int:
@@ -309,7 +315,7 @@ class ConvSpec:
         return (f"{self.family}[{tiles}] {self.device} {self.dtype}/{self.math} {self.layout} "
                 f"{self.in_channels}->{self.out_channels} g{self.groups} k{kh}x{kw} s{sh}x{sw} "
                 f"p{','.join(map(str, self.padding))} d{dh}x{dw}{' +bias' if self.bias else ''}"
-                f"{' +residual' if self.residual else ''}{' +' + self.activation if self.activation != 'none' else ''}")
+                f"{' +scale' if self.scale else ''}{' +residual' if self.residual else ''}{' +' + self.activation if self.activation != 'none' else ''}")
 
     def template_context(self) -> dict[str, Any]:
         """UPPERCASE compile-time constants: only validated ints, bools and enum members."""
@@ -326,6 +332,7 @@ class ConvSpec:
             "HAS_BIAS": self.bias, "LAYOUT": self.layout,
             # the epilogue (templates/common/epilogue.cuh.j2): ACT a member of ACTIVATIONS or 'none'
             "ACT": self.activation, "HAS_RESIDUAL": self.residual, "EPILOGUE": self.epilogue,
+            "HAS_SCALE": self.scale,  # the accumulator times a float32 per-channel scale, before the bias
             "WORKSPACE_BYTES": 0,  # a family that needs device scratch memory says how much,
             "WORKSPACE_PER_INPUT": 0,  # and how many bytes more for each element of the input
             "WORKSPACE_PER_OUTPUT": 0,  # and of the output
@@ -337,7 +344,7 @@ class ConvSpec:
 
 
 # Fields added after specs were first keyed, with the defaults to_dict leaves out.
-_LATER_DEFAULTS = {"activation": "none", "residual": False}
+_LATER_DEFAULTS = {"activation": "none", "residual": False, "scale": False}
 
 
 def _canonical_tiles(family: str, space: Mapping[str, tuple[int, ...]], tiles: Any) -> tuple[tuple[str, int], ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import tempfile
@@ -114,11 +115,12 @@ FAMILY_CALLS = {
 }
 
 
-def _spec_of(family: str, activation: str = "none", residual: bool = False, every: bool = False):
+def _spec_of(family: str, activation: str = "none", residual: bool = False, every: bool = False,
+             scale: bool = False):
     N, C, K, H, W, k, s, p, g, cl, dtype, math = FAMILY_CALLS[family]
     fam = get_family(family)
     params = dict(in_channels=C, out_channels=K, kernel_size=k, stride=s, padding=p, dilation=1, groups=g,
-                  dtype=dtype, bias=True, activation=activation, residual=residual)
+                  dtype=dtype, bias=True, activation=activation, residual=residual, scale=scale)
     P, Q = ConvSpec(**params).output_size(H, W)
     problem = Problem(N, H, W, P, Q, device=nominal("sm_90a") if fam.device == "cuda" else None)
     specs = select.ranked(params, fam.device, problem, cl, math, family=family, every=every)
@@ -178,6 +180,71 @@ def test_one_epilogue_spec_of_every_cuda_family_compiles():
     cuda = sorted(n for n, f in all_families().items() if f.device == "cuda")
     acts = [ACTIVATIONS[i % len(ACTIVATIONS)] for i in range(len(cuda))]
     sample = [_spec_of(name, act, True) for name, act in zip(cuda, acts)]
+
+    def one(spec):
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                lower(spec, Path(d))
+            except AssertionError as exc:
+                return f"{spec.summary()}: {str(exc)[-1500:]}"
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        failures = [f for f in pool.map(one, sample) if f]
+    assert not failures, "\n\n".join(failures[:4])
+
+
+# -- the epilogue's scale (a folded BatchNorm's, float32 per output channel) ------------------------
+
+SCALE_FAMILIES = sorted(n for n, f in all_families().items() if f.scale)
+
+
+def test_the_families_that_serve_16_bit_networks_apply_a_scale():
+    # (the depthwise and groupwise families add their bias into the accumulator first: not yet)
+    assert set(SCALE_FAMILIES) >= {"cpu_direct", "direct", "gemv", "grouped_mma", "pointwise", "igemm", "wgmma", "nhwc",
+                                   "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc"}
+
+
+@pytest.mark.parametrize("family", SCALE_FAMILIES)
+def test_every_scale_family_renders_its_candidates_with_the_scale(family):
+    for activation, residual in (("none", False), ("relu", True)):
+        specs = _spec_of(family, activation, residual, every=True, scale=True)
+        assert specs, family
+        for spec in specs:
+            assert spec.scale and "+scale" in spec.summary()
+            r = render(spec)
+            source = r.cuda or r.cpp
+            assert "epi_s[" in source and "kernel built with a scale, got none" in source, spec.summary()
+
+
+@pytest.mark.parametrize("family", sorted(set(all_families()) - set(SCALE_FAMILIES)))
+def test_a_family_without_the_scale_refuses_it(family):
+    spec = _spec_of(family, "relu")
+    with pytest.raises(Unsupported, match="scale"):
+        get_family(family).check(spec.replace(scale=True))
+    with pytest.raises(ConvArgumentError, match="scale"):  # (forced: the selector says why)
+        _spec_of(family, "relu", every=True, scale=True)
+
+
+def test_the_scale_is_in_the_spec_only_when_set():
+    spec = _spec_of("direct")
+    assert "scale" not in spec.to_json() and "+scale" not in spec.summary()
+    scaled = spec.replace(scale=True)
+    assert '"scale":true' in scaled.to_json() and ConvSpec.from_dict(json.loads(scaled.to_json())) == scaled
+    assert render(spec).cuda != render(scaled).cuda
+    with pytest.raises(TypeError, match="scale must be True or False"):
+        spec.replace(scale=1)
+
+
+@pytest.mark.compile
+@pytest.mark.nvcc
+def test_one_scale_spec_of_every_cuda_family_compiles():
+    # Each scale family's first choice with the scale (and a residual and an activation on every other
+    # one), at sm_90a, in parallel.
+    from lowering import lower
+
+    cuda = [n for n in SCALE_FAMILIES if get_family(n).device == "cuda"]
+    sample = [_spec_of(name, "silu" if i % 2 else "none", bool(i % 2), scale=True) for i, name in enumerate(cuda)]
 
     def one(spec):
         with tempfile.TemporaryDirectory() as d:
@@ -425,12 +492,13 @@ def test_torch_compile_vmap_flops_and_profiler_carry_the_epilogue():
 def test_a_call_without_an_epilogue_keeps_the_operators_form():
     # A plain call's graphs hold kernelgen::conv2d with the eleven inputs of before epilogues (a
     # TorchScript node holds every input of its schema, and kernelgen.onnx translates those); a
-    # call with an epilogue is kernelgen::conv2d_epilogue, the three more.
+    # call with an epilogue is kernelgen::conv2d_epilogue, the three more (and a scale, last with a
+    # default: a call without one holds the node of before scales).
     x, w = _call_args()
     r = torch.randn(2, 6, 9, 9)
     assert len(torch.ops.kernelgen.conv2d.default._schema.arguments) == 11
     assert [a.name for a in torch.ops.kernelgen.conv2d_epilogue.default._schema.arguments][11:] == \
-        ["activation", "negative_slope", "residual"]
+        ["activation", "negative_slope", "residual", "scale"]
     nodes = []
 
     def backend(gm, example_inputs):

@@ -32,7 +32,7 @@ class FakeLaunch:
 
     def __call__(self, *args):
         wp, ready = args[24], args[25]
-        assert len(args) == 28 and wp != 0
+        assert len(args) == 29 and wp != 0
         self.calls.append((wp, ready))
         return not ready
 

@@ -115,6 +115,9 @@ class Family:
     epilogue: whether its template applies the fused epilogue (an activation, a residual:
         templates/common/epilogue.cuh.j2) where it writes the output; one that does not is
         never handed a spec with one.
+    scale: whether its template also applies the epilogue's per-channel scale (HAS_SCALE: the
+        accumulator times a float32 scale before the bias); one that does not is never handed a
+        spec with one.
     """
 
     name: str
@@ -131,6 +134,7 @@ class Family:
     nchw_copy: bool = False
     row_tile: int = 0
     epilogue: bool = False
+    scale: bool = False
 
     def check(self, spec: "ConvSpec", device: "Device | None" = None) -> None:
         """Raise Unsupported(reason) if this family cannot compute `spec` correctly on `device`
@@ -143,7 +147,9 @@ class Family:
             raise Unsupported(f"{self.name} does not take layout {spec.layout}")
         if spec.epilogue and not self.epilogue:
             raise Unsupported(f"{self.name} does not fuse epilogues (activation {spec.activation}"
-                              f"{', residual' if spec.residual else ''})")
+                              f"{', residual' if spec.residual else ''}{', scale' if spec.scale else ''})")
+        if spec.scale and not self.scale:
+            raise Unsupported(f"{self.name} does not apply an epilogue scale")
         kh, kw = spec.kernel_size
         if not self.wide_weights and spec.out_channels * spec.cin_per_group * kh * kw >= 1 << 31:
             raise Unsupported(f"{self.name} indexes weights in 32 bits; this weight has 2^31 elements or more")

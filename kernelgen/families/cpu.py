@@ -16,7 +16,7 @@ from .base import Family
 cpu_direct = Family(
     name="cpu_direct", device="cpu", template="cpu/direct.cpp.j2", layouts=("any",), archs=(),
     dtypes=("float32", "float16", "bfloat16", "float64"), tiles={"cout_block": (1, 4)},
-    wide_weights=True, epilogue=True,
+    wide_weights=True, epilogue=True, scale=True,
 )
 
 FAMILIES = (cpu_direct,)

@@ -57,7 +57,7 @@ direct = DirectFamily(
     dtypes=("float32", "float16", "bfloat16", "float64"),
     tiles={"block_p": (4, 8, 16), "block_q": (8, 16, 32), "cout_tile": (1, 2, 4, 8, 16),
            "cin_chunk": (1, 2, 4, 8)},
-    wide_weights=True, epilogue=True,
+    wide_weights=True, epilogue=True, scale=True,
 )
 
 FAMILIES = (direct,)

@@ -349,7 +349,7 @@ class GemmFamily(Family):
 
 
 _COMMON = dict(device="cuda", layouts=("nchw",), dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma",
-               epilogue=True)
+               epilogue=True, scale=True)
 
 pointwise = GemmFamily(
     name="pointwise", template="cuda/pointwise.cu.j2", flat=True,

@@ -111,7 +111,7 @@ gemv = GemvFamily(
     name="gemv", device="cuda", template="cuda/gemv.cu.j2", layouts=("any",),
     dtypes=("float32", "float16", "bfloat16", "float64"),
     tiles={"block_co": (1, 2, 4, 8, 16), "block_px": (1, 2, 4, 8), "warps": (2, 4, 8)},
-    wide_weights=True, engine="fma", epilogue=True,
+    wide_weights=True, engine="fma", epilogue=True, scale=True,
 )
 
 FAMILIES = (gemv,)

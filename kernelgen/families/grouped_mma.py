@@ -113,6 +113,7 @@ class GroupedMmaFamily(Family):
     device: str = "cuda"
     template: str = "cuda/grouped_mma.cu.j2"
     epilogue: bool = True
+    scale: bool = True
     layouts: tuple[str, ...] = ("nhwc", "nchw")
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))

@@ -214,6 +214,7 @@ class NhwcFamily(Family):
 nhwc = NhwcFamily(
     name="nhwc", device="cuda", template="cuda/nhwc.cu.j2", layouts=("nhwc", "nchw"),
     dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma", nchw_copy=True, epilogue=True,
+    scale=True,
     tiles={"block_m": (128, 64, 256), "block_n": (128, 64, 32, 256), "chunks": (8, 4, 2), "stages": (3, 4, 2),
            "min_blocks": (1, 2), "wg": (0, 1)},
 )

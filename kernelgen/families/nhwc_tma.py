@@ -181,6 +181,8 @@ class NhwcTmaFamily(Family):
                 raise Unsupported(f"nhwc_tma: a halo window of {lay['HB']} x {lay['WB']} pixels exceeds the TMA's "
                                   "box (256 a side)")
         splits = tiles.get("splits", 1)
+        if splits > 1 and spec.scale:  # (the split reduction's final pass adds the bias to the sum unscaled)
+            raise Unsupported("nhwc_tma: split reductions do not apply an epilogue scale (splits=1 does)")
         if splits > 1:
             if persist or tiles.get("halo", 0):
                 raise Unsupported("nhwc_tma: split reductions run one block a tile and a k-tile a slot (persist=0, "
@@ -315,6 +317,7 @@ class NhwcTmaFamily(Family):
 nhwc_tma = NhwcTmaFamily(
     name="nhwc_tma", device="cuda", template="cuda/nhwc_tma.cu.j2", layouts=("nhwc", "nchw"), archs=("sm_90a",),
     dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="wgmma", nchw_copy=True, epilogue=True,
+    scale=True,
     tiles={"block_co": (64, 128, 256), "block_p": BLOCK_P, "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
            "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8), "a_regs": (0, 1),

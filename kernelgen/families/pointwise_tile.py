@@ -67,7 +67,7 @@ class PointwiseTileFamily(Family):
 
 pointwise_tile = PointwiseTileFamily(
     name="pointwise_tile", device="cuda", template="cuda/pointwise_tile.cu.j2", layouts=("nchw",),
-    dtypes=("float32",), tf32=True, engine="mma", epilogue=True,
+    dtypes=("float32",), tf32=True, engine="mma", epilogue=True, scale=True,
 )
 
 FAMILIES = (pointwise_tile,)

@@ -112,7 +112,7 @@ class PointwiseTmaFamily(Family):
 pointwise_tma = PointwiseTmaFamily(
     name="pointwise_tma", device="cuda", template="cuda/pointwise_tma.cu.j2", layouts=("nchw",), archs=("sm_90a",),
     dtypes=("float32", "float16", "bfloat16"), tf32=True, aligned_input=True, engine="wgmma",
-    epilogue=True, tiles={"block_co": (128, 64, 256), "block_p": (128, 64, 192), "stages": (4, 2, 3, 5, 6, 7, 8),
+    epilogue=True, scale=True, tiles={"block_co": (128, 64, 256), "block_p": (128, 64, 192), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "wres": (0, 1)},
 )
 

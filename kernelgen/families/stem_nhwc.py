@@ -193,7 +193,7 @@ class StemNhwcFamily(Family):
 
 stem_nhwc = StemNhwcFamily(
     name="stem_nhwc", device="cuda", template="cuda/stem_nhwc.cu.j2", layouts=("nhwc",),
-    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma", epilogue=True,
+    dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="mma", epilogue=True, scale=True,
     tiles={"block_p": (4, 1, 2, 8, 16), "block_q": (32, 8, 16, 64, 128), "block_n": (64, 32, 128),
            "warps_m": (2, 1, 4), "warps_n": (2, 1, 4), "min_blocks": (2, 1, 3, 4)},
 )

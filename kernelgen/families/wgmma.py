@@ -419,6 +419,7 @@ class WgmmaFamily(Family):
 wgmma = WgmmaFamily(
     name="wgmma", template="cuda/wgmma.cu.j2", device="cuda", layouts=("nchw",), archs=("sm_90a",),
     dtypes=("float32", "float16", "bfloat16"), tf32=True, engine="wgmma", row_tile=64, epilogue=True,
+    scale=True,
     tiles={"block_m": (64, 128), "tile_p": (1, 2, 4), "tile_q": (64, 128, 256),
            "block_k": tuple(range(8, 129, 8)), "full_kh": (0, 1), "nbuf": tuple(range(3, 17)),
            "min_blocks": (1, 2), "stage_out": (0, 1), "async_x": (0, 1), "overlap": (0, 1), "ws": (0, 1),
