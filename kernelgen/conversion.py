@@ -353,7 +353,9 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
     A float16/bfloat16 conv keeps its weight as it is: rounding w * scale to 16 bits a second time
     costs ResNet-50's bf16 logits 1.66x eager's error (benchmarks/results/cpu_fold_accuracy.md).
     It gains the scale as a float32 buffer `bn_scale` instead, which the kernel's epilogue applies
-    to its float32 accumulator before the (folded, 16-bit) bias: 0.93x eager's error."""
+    to its float32 accumulator before the (folded, 16-bit) bias: 0.93x eager's error. Grouped and
+    depthwise convs fold into the weight still: their families do not apply a scale yet, and the
+    ones that do are slower on them."""
     scale = torch.rsqrt(bn.running_var.double() + bn.eps)
     if bn.weight is not None:
         scale = scale * bn.weight.double()
@@ -362,7 +364,7 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
         shift = shift + bn.bias.double()
     w = conv.weight
     bias = shift if conv.bias is None else conv.bias.double() * scale + shift
-    if w.dtype in (torch.float16, torch.bfloat16):
+    if w.dtype in (torch.float16, torch.bfloat16) and conv.groups == 1:
         if BN_SCALE in conv._buffers:  # (folded twice: the scales compose, as the bias just did)
             scale = scale * conv._buffers[BN_SCALE].double()
         conv.register_buffer(BN_SCALE, scale.to(device=w.device, dtype=torch.float32), persistent=True)

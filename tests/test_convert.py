@@ -431,3 +431,13 @@ def test_fold_bn_keeps_16_bit_weights_and_applies_the_scale_in_float32():
     with torch.no_grad():
         back = model(x)
     assert (back.double() - out.double()).norm() / out.double().norm() <= 2 * own
+
+
+def test_fold_bn_folds_16_bit_grouped_weights_as_before():
+    # (their families do not apply a scale yet: a grouped or depthwise conv keeps the old folding)
+    model = randomise_bn(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),
+                                       nn.BatchNorm2d(8))).eval().to(torch.bfloat16)
+    w = model[0].weight.detach().clone()
+    kernelgen.convert(model, fold_bn=True)
+    assert "bn_scale" not in model[0]._buffers and not torch.equal(model[0].weight, w)
+    assert model[0].bias is not None
