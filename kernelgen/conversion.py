@@ -795,11 +795,13 @@ def _same(value, default) -> bool:
 # --- recording, tuning, measuring -----------------------------------------------------------------
 
 def _call(m: nn.Module, input, weight, bias, padding, activation=None, negative_slope=0.01, residual=None) -> dict:
-    # detached: the tuner turns errors into floats, and nothing here needs their graph
+    # detached: the tuner turns errors into floats, and nothing here needs their graph; the scale of
+    # a folded BatchNorm (16-bit) is part of the call the layer makes
     return dict(input=input.detach(), weight=weight.detach(), bias=None if bias is None else bias.detach(),
                 stride=m.stride, padding=padding, dilation=m.dilation, groups=m.groups, precision=m.precision,
                 activation=activation, negative_slope=negative_slope,
-                residual=residual.detach() if isinstance(residual, torch.Tensor) else residual)
+                residual=residual.detach() if isinstance(residual, torch.Tensor) else residual,
+                scale=m._buffers.get(BN_SCALE))
 
 
 def _pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -896,16 +898,19 @@ def _time_call(call: dict) -> tuple[float, float]:
     """(kernelgen's, torch's) microseconds for `call`, timed by the tuner's clock (CUDA events on a
     GPU, the host clock on the CPU), the two taking turns. kernelgen's: kernelgen.conv2d with the
     call's epilogue; torch's: F.conv2d, then the residual add and the activation by torch
-    (compiled.epilogue), the ops a fused call replaces."""
+    (compiled.epilogue), the ops a fused call replaces (with a folded BatchNorm's scale, its
+    multiply and the bias after it)."""
     from . import tuner
 
-    args = (call["input"], call["weight"], call["bias"], call["stride"], call["padding"], call["dilation"],
-            call["groups"])
+    x, w, b, scale = call["input"], call["weight"], call["bias"], call["scale"]
+    geometry = (call["stride"], call["padding"], call["dilation"], call["groups"])
     act, slope, res = call["activation"], call["negative_slope"], call["residual"]
     with torch.no_grad():
         kg, th = tuner._stream_us([
-            lambda: conv2d(*args, precision=call["precision"], activation=act, negative_slope=slope, residual=res),
-            lambda: compiled.epilogue(F.conv2d(*args), act, slope, res)], cuda=call["input"].is_cuda)
+            lambda: conv2d(x, w, b, *geometry, precision=call["precision"], activation=act, negative_slope=slope,
+                           residual=res, scale=scale),
+            lambda: compiled.epilogue(F.conv2d(x, w, b if scale is None else None, *geometry), act, slope, res,
+                                      scale, None if scale is None else b)], cuda=x.is_cuda)
     return kg, th
 
 

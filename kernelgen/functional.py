@@ -103,8 +103,8 @@ def planning_for(gpu: "str | Device", wide_dram: bool = False) -> Iterator[None]
 @contextlib.contextmanager
 def observe_meta_calls(callback: Callable[..., None]) -> Iterator[None]:
     """While active, call `callback(input, weight, bias, stride, padding, dilation, groups,
-    precision, family, tiles, activation=..., residual=...)` for every kernelgen.conv2d call on
-    meta tensors.
+    precision, family, tiles, activation=..., residual=...[, scale=...])` for every
+    kernelgen.conv2d call on meta tensors.
 
     This is how `kernelgen warm --model` finds the convolutions of a model run on meta
     tensors, direct calls of kernelgen.conv2d included.
@@ -461,12 +461,12 @@ def _make_plan(input, weight, bias, stride, padding, dilation, groups, precision
     tuned = _tuned_spec(record, spec, input) if family is None and tiles is None else None
     if tuned is not None:  # measured on this GPU before, its kernel since pruned: build it again
         spec = tuned
-    elif (record_name is not None and family is None and tiles is None and config.tune() and scale is None
+    elif (record_name is not None and family is None and tiles is None and config.tune()
           and not (device == "cuda" and torch.cuda.is_current_stream_capturing())):
         from .tuner import tune  # KERNELGEN_TUNE: measure the candidates now; tune writes the record
 
         tune(input, weight, bias, stride, padding, dilation, groups, precision=precision, activation=activation,
-             residual=residual)
+             residual=residual, scale=scale)
         record = plans.read(_default_cache().root, record_name)
         tuned = _tuned_spec(record, spec, input)
         spec = tuned or spec

@@ -43,10 +43,14 @@ def _aten(input, weight, bias, stride, padding, padding_mode, dilation, groups, 
 
 
 def _aten_epilogue(input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles,
-                   activation, negative_slope, residual):
-    """kernelgen::conv2d_epilogue as F.conv2d, then the residual add and the activation."""
-    return compiled.epilogue(_aten(input, weight, bias, stride, padding, padding_mode, dilation, groups),
-                             activation, negative_slope, residual)
+                   activation, negative_slope, residual, scale=None):
+    """kernelgen::conv2d_epilogue as F.conv2d, then the scale and bias (where there is a scale), the
+    residual add and the activation."""
+    if scale is None:
+        return compiled.epilogue(_aten(input, weight, bias, stride, padding, padding_mode, dilation, groups),
+                                 activation, negative_slope, residual)
+    return compiled.epilogue(_aten(input, weight, None, stride, padding, padding_mode, dilation, groups),
+                             activation, negative_slope, residual, scale, bias)
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -84,18 +88,26 @@ def _symbolic(g, input, weight, bias, stride, padding, padding_mode, dilation, g
     axis = g.op("Constant", value_t=torch.tensor([0], dtype=torch.long))
     if unbatched:  # ONNX Conv takes (N, C, H, W) only
         input = g.op("Unsqueeze", input, axis)
-    inputs = (input, weight) if bias.node().mustBeNone() else (input, weight, bias)
+    inputs = (input, weight) if bias is None or bias.node().mustBeNone() else (input, weight, bias)
     y = g.op("Conv", *inputs, **{k + "_i": v for k, v in attrs.items()})
     return g.op("Squeeze", y, axis) if unbatched else y
 
 
 # (conv2d's arguments stay graph values here: `_symbolic` parses them)
-@symbolic_helper.parse_args("v", "v", "v", "v", "v", "v", "v", "v", "none", "none", "none", "s", "f", "v")
+@symbolic_helper.parse_args("v", "v", "v", "v", "v", "v", "v", "v", "none", "none", "none", "s", "f", "v", "v")
 def _symbolic_epilogue(g, input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family,
-                       tiles, activation, negative_slope, residual):
+                       tiles, activation, negative_slope, residual, scale=None):
     """The TorchScript exporter's translation of a traced kernelgen::conv2d_epilogue node: conv2d's
-    Conv, then Add of the residual (if any) and the activation (`_activate`, in the file's opset)."""
-    y = _symbolic(g, input, weight, bias, stride, padding, padding_mode, dilation, groups, precision, family, tiles)
+    Conv, then Mul by the scale and Add of the bias (where there is a scale; in the model's dtype),
+    Add of the residual (if any) and the activation (`_activate`, in the file's opset)."""
+    scaled = scale is not None and not scale.node().mustBeNone()
+    y = _symbolic(g, input, weight, None if scaled else bias, stride, padding, padding_mode, dilation, groups,
+                  precision, family, tiles)
+    if scaled:  # (per channel: a (C, 1, 1) shape broadcasts over (N, C, H, W) and unbatched (C, H, W))
+        shape = g.op("Constant", value_t=torch.tensor([-1, 1, 1], dtype=torch.long))
+        y = g.op("Mul", y, g.op("Reshape", g.op("CastLike", scale, y), shape))
+        if not bias.node().mustBeNone():
+            y = g.op("Add", y, g.op("Reshape", bias, shape))
     if not residual.node().mustBeNone():
         y = g.op("Add", y, residual)
     if activation is None:
@@ -170,8 +182,13 @@ def translation_table() -> dict[Callable, Callable]:
 
     def conv2d_epilogue(input, weight, bias=None, stride=(1, 1), padding=(0, 0), padding_mode=None, dilation=(1, 1),
                         groups=1, precision=None, family=None, tiles=None, activation=None, negative_slope=0.01,
-                        residual=None):
-        y = conv2d(input, weight, bias, stride, padding, padding_mode, dilation, groups)
+                        residual=None, scale=None):
+        y = conv2d(input, weight, bias if scale is None else None, stride, padding, padding_mode, dilation, groups)
+        if scale is not None:  # (per channel, in the model's dtype)
+            shape = op.Constant(value_ints=[-1, 1, 1])
+            y = op.Mul(y, op.Reshape(op.CastLike(scale, y), shape))
+            if bias is not None:
+                y = op.Add(y, op.Reshape(bias, shape))
         if residual is not None:
             y = op.Add(y, residual)
         return y if activation is None else _activate(op, const(y), y, activation, negative_slope, op.version)

@@ -60,19 +60,19 @@ class TuneResult:
 def tune(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
          dilation=1, groups=1, *, precision: str | None = None, top: int | None = None,
          jobs: int | None = None, activation: str | None = None, negative_slope: float = 0.01,
-         residual: torch.Tensor | None = None) -> TuneResult:
+         residual: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> TuneResult:
     """Tune one kernelgen.conv2d call (F.conv2d's arguments, on CUDA tensors of the real sizes, and
     conv2d's fused epilogue if any): the fastest accurate of its `top` candidates
     (KERNELGEN_TUNE_TOP, default 4) becomes what kernelgen.conv2d runs for it, in this process and
     in later ones (the plan record)."""
     return tune_calls([dict(input=input, weight=weight, bias=bias, stride=stride, padding=padding,
                             dilation=dilation, groups=groups, precision=precision, activation=activation,
-                            negative_slope=negative_slope, residual=residual)], top=top, jobs=jobs)[0]
+                            negative_slope=negative_slope, residual=residual, scale=scale)], top=top, jobs=jobs)[0]
 
 
 def tune_calls(calls: Sequence[Mapping[str, Any]], top: int | None = None, jobs: int | None = None) -> list[TuneResult]:
     """Tune many calls: each a mapping of kernelgen.conv2d's arguments (input, weight, bias,
-    stride, padding, dilation, groups, precision; activation, negative_slope, residual). Every
+    stride, padding, dilation, groups, precision; activation, negative_slope, residual, scale). Every
     call's candidates are built first, all in parallel (`jobs` workers, default KERNELGEN_JOBS),
     then each call is timed in turn."""
     from . import functional
@@ -105,12 +105,13 @@ def tune_calls(calls: Sequence[Mapping[str, Any]], top: int | None = None, jobs:
 
 def _args(c: Mapping[str, Any]) -> dict:
     known = ("input", "weight", "bias", "stride", "padding", "dilation", "groups", "precision", "activation",
-             "negative_slope", "residual")
+             "negative_slope", "residual", "scale")
     unknown = sorted(set(c) - set(known))
     if unknown:
         raise TypeError(f"tune_calls: unknown argument(s) {unknown}; a call takes {list(known)}")
     args = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1, "precision": None,
-            "activation": None, "negative_slope": 0.01, "residual": None, **{k: c[k] for k in known if k in c}}
+            "activation": None, "negative_slope": 0.01, "residual": None, "scale": None,
+            **{k: c[k] for k in known if k in c}}
     if args["activation"] == "leaky_relu":
         from .checks import slope_bits
 
@@ -162,6 +163,7 @@ def measure(args: dict, specs: list, call, built: Mapping) -> list[tuple]:
     from .kernels import load_entry
 
     x, w, b, res, alpha = args["input"], args["weight"], args["bias"], args["residual"], _alpha(args)
+    scale = args["scale"]
     ref, bound = _reference(args)
     notes, runs = {}, []
     for spec in specs:
@@ -172,13 +174,14 @@ def measure(args: dict, specs: list, call, built: Mapping) -> list[tuple]:
             continue
         plan = functional._plan(launch, r.key, functional._call_fields(call), functional._prep_name(spec), x, w, b,
                                 res)
-        err = _error(plan, x, w, b, ref, res, alpha)
+        err = _error(plan, x, w, b, ref, res, alpha, scale)
         if not err <= bound:  # (NaN too)
             notes[spec] = f"inaccurate: relative error {err:.2e} > {bound:.2e}"
             continue
         runs.append((spec, plan))
     times = dict(zip((s for s, _ in runs), _stream_us([lambda p=p: functional._run(p, x, w, b, residual=res,
-                                                                                    alpha=alpha) for _, p in runs],
+                                                                                    alpha=alpha, scale=scale)
+                                                       for _, p in runs],
                                                       cuda=x.is_cuda)))
     packs.drop(w, [plan.key for _, plan in runs])  # (the candidates' packed weights: the call packs its own)
     count("tune_timings", len(runs))
@@ -202,20 +205,24 @@ def _reference(args: dict) -> tuple[torch.Tensor, float]:
     if res is not None and x.dim() == 4:
         res = res[:2]
 
-    def finish(y):  # (float64: the slope as the kernels take it, a float32)
-        slope = float(torch.tensor(args["negative_slope"], dtype=torch.float32))
-        return epilogue(y, args["activation"], slope, None if res is None else res.to(y.dtype))
+    scale = args["scale"]
 
-    ref = finish(F.conv2d(xs.double(), w.double(), None if b is None else b.double(), **kw))
+    def conv(x, w, b):  # torch's convolution and epilogue (float64: the slope as the kernels take it)
+        slope = float(torch.tensor(args["negative_slope"], dtype=torch.float32))
+        y = F.conv2d(x, w, b if scale is None else None, **kw)  # (with a scale, the bias follows it)
+        return epilogue(y, args["activation"], slope, None if res is None else res.to(y.dtype), scale,
+                        None if scale is None else b)
+
+    ref = conv(xs.double(), w.double(), None if b is None else b.double())
     if x.dtype == torch.float64:
         return ref, 1e-12
     if x.dtype == torch.float32:
         if fp32_math(args["precision"]) == "ieee":
             return ref, 1e-5
         r = lambda t: None if t is None else _tf32(t).double()  # noqa: E731
-        own = _rel(finish(F.conv2d(xs, w, b, **kw)), ref)
-        return ref, 1.5 * max(own, _rel(finish(F.conv2d(r(xs), r(w), r(b), **kw)), ref))
-    return ref, 1.5 * _rel(finish(F.conv2d(xs, w, b, **kw)), ref)
+        own = _rel(conv(xs, w, b), ref)
+        return ref, 1.5 * max(own, _rel(conv(r(xs), r(w), r(b)), ref))
+    return ref, 1.5 * _rel(conv(xs, w, b), ref)
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:
@@ -229,14 +236,14 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-def _error(plan, x, w, b, ref, residual=None, alpha=0) -> float:
+def _error(plan, x, w, b, ref, residual=None, alpha=0, scale=None) -> float:
     """The candidate's relative error against `ref`, run into an output full of NaN, so that an
     element it does not write fails."""
     from . import functional
 
     out = torch.full(plan.out_shape, float("nan"), dtype=x.dtype, device=x.device).contiguous(
         memory_format=plan.fmt)
-    y = functional._run(plan, x, w, b, out=out, residual=residual, alpha=alpha)
+    y = functional._run(plan, x, w, b, out=out, residual=residual, alpha=alpha, scale=scale)
     if y.dim() == 4:
         y = y[:ref.shape[0]]
     return _rel(y, ref) if bool(torch.isfinite(y).all()) else math.inf
@@ -274,15 +281,14 @@ def _stream_us(fns: list, cuda: bool = True) -> list[float]:
 def _remember(args: dict, spec, timings: list) -> None:
     """Write the choice into the call's plan record and forget the in-process plan, so the next
     kernelgen.conv2d call serves it."""
-    import json
-
     from . import functional, plans
     from .kernels import default_cache, load_kernel
     from .toolchain import current
 
     x = args["input"]
     sig = functional.signature(x, args["weight"], args["bias"], args["stride"], args["padding"], args["dilation"],
-                               args["groups"], args["precision"], None, None, args["activation"], args["residual"])
+                               args["groups"], args["precision"], None, None, args["activation"], args["residual"],
+                               args["scale"])
     if sig is None:
         return
     functional._plans.pop(sig, None)

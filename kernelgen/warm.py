@@ -11,8 +11,8 @@ groups: int; dtype: float32, float16, bfloat16, float64; device: "cuda" or "cpu"
 Optional: precision ("ieee" or "tf32", float32 only; default: torch's setting, as
 conv2d follows it), memory_format ("contiguous" or "channels_last"), family and tiles
 (force a kernel family and some of its tile sizes, as conv2d's keywords do), activation (one
-of kernelgen.ACTIVATIONS) and residual (true: a residual of the output's shape), conv2d's fused
-epilogue.
+of kernelgen.ACTIVATIONS), residual (true: a residual of the output's shape) and scale (true: a
+float32 scale per output channel, a folded BatchNorm's), conv2d's fused epilogue.
 
 A record becomes a spec through `functional.spec_for` on meta tensors, so the spec is
 exactly what `kernelgen.conv2d` would compile for that call, the selector's choice of
@@ -46,7 +46,7 @@ from .spec import DTYPES, ConvSpec, canonical_dtype
 from .toolchain import Toolchain
 
 RECORD_FIELDS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups", "dtype", "device",
-                 "precision", "memory_format", "family", "tiles", "activation", "residual")
+                 "precision", "memory_format", "family", "tiles", "activation", "residual", "scale")
 MEMORY_FORMATS = ("contiguous", "channels_last")
 STATUSES = ("built", "cached", "failed")
 
@@ -173,6 +173,9 @@ def parse_record(record: Any, origin: str = "<record>", default_device: str = "c
     residual = record.get("residual", False)
     if not isinstance(residual, bool):
         raise RecordError(origin, f"expected true or false, got {json.dumps(residual)}", "residual")
+    scale = record.get("scale", False)
+    if not isinstance(scale, bool):
+        raise RecordError(origin, f"expected true or false, got {json.dumps(scale)}", "scale")
     if w_shape[0] == 0 or w_shape[1] == 0:
         raise RecordError(origin, f"a convolution needs at least one input and one output channel, "
                                   f"got weight {list(w_shape)}", "weight")
@@ -185,9 +188,10 @@ def parse_record(record: Any, origin: str = "<record>", default_device: str = "c
     b = torch.empty((w_shape[0],), dtype=tdtype, device="meta") if bias else None
     try:
         r = _residual(x, w, b, stride, padding, dilation, groups) if residual else None
+        s = torch.empty((w_shape[0],), dtype=torch.float32, device="meta") if scale else None
         spec, _call = spec_for(x, w, b, stride, padding, dilation, groups, device=device, precision=precision,
                                family=family, tiles=dict(tiles) if tiles else None, activation=activation,
-                               residual=r)
+                               residual=r, scale=s)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise RecordError(origin, f"impossible convolution: {exc}", _field_named(str(exc))) from None
     return spec
@@ -333,7 +337,7 @@ class Found:
 
 
 def call_record(x, w, b, stride, padding, dilation, groups, precision, device: str, activation=None,
-                residual=None) -> dict:
+                residual=None, scale=None) -> dict:
     """A record (this module's docstring) of the call these (meta) tensors and arguments make."""
     from .checks import is_channels_last
 
@@ -348,6 +352,8 @@ def call_record(x, w, b, stride, padding, dilation, groups, precision, device: s
         rec["activation"] = activation
     if residual is not None:
         rec["residual"] = True
+    if scale is not None:
+        rec["scale"] = True
     return rec
 
 
@@ -372,6 +378,8 @@ def record_tensors(record: Mapping[str, Any], device: str, seed: int = 0) -> dic
     if record.get("residual"):
         args["residual"] = _residual(x, w, b, args["stride"], args["padding"], args["dilation"], args["groups"],
                                      device=device, generator=g)
+    if record.get("scale"):  # (a folded BatchNorm's: positive, near 1)
+        args["scale"] = (0.5 + torch.rand(record["weight"][0], generator=g)).to(device)
     return args
 
 
@@ -397,18 +405,18 @@ def find_model_calls(model, input_shapes: Sequence[Sequence[int]], device: str, 
     names = {m: n or type(model).__name__ for n, m in model.named_modules()}
     current: list[str] = []  # the module whose forward is running, for the report
 
-    def record(x, w, b, stride, padding, dilation, groups, prec, where, activation=None, residual=None):
+    def record(x, w, b, stride, padding, dilation, groups, prec, where, activation=None, residual=None, scale=None):
         spec, _ = spec_for(x, w, b, stride, padding, dilation, groups, device=device, precision=prec,
-                           activation=activation, residual=residual)
+                           activation=activation, residual=residual, scale=scale)
         if spec is not None:
             found.append(Found(spec=spec, where=f"{origin}: {where}",
                                record=call_record(x, w, b, stride, padding, dilation, groups, prec, device,
-                                                  activation, residual)))
+                                                  activation, residual, scale)))
 
     def on_kernelgen_call(x, w, b, stride, padding, dilation, groups, prec, family, tiles, activation=None,
-                          residual=None):
+                          residual=None, scale=None):
         record(x, w, b, stride, padding, dilation, groups, prec if prec is not None else precision,
-               current[-1] if current else "kernelgen.conv2d", activation, residual)
+               current[-1] if current else "kernelgen.conv2d", activation, residual, scale)
 
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -441,3 +441,14 @@ def test_fold_bn_folds_16_bit_grouped_weights_as_before():
     kernelgen.convert(model, fold_bn=True)
     assert "bn_scale" not in model[0]._buffers and not torch.equal(model[0].weight, w)
     assert model[0].bias is not None
+
+
+def test_tune_tunes_the_call_a_scaled_layer_makes(monkeypatch):
+    # a 16-bit layer with a folded BatchNorm calls kernelgen.conv2d with its scale: that call is tuned
+    model = randomise_bn(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False),
+                                       nn.BatchNorm2d(8))).eval().to(torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(tuner, "tune_calls", lambda calls, **kw: seen.extend(calls))
+    kernelgen.convert(model, fold_bn=True, example_inputs=_x(torch.bfloat16), tune=True)
+    (call,) = seen
+    assert call["scale"] is model[0].bn_scale

@@ -267,3 +267,36 @@ def test_fused_conversion_exports(form, exporter, tmp_path):
     ops = [op for op, _ in _convs(data)]
     assert ops.count("Add") == 1 and "Relu" in ops and "Sigmoid" in ops, ops
     _check_runs(data, model, x, 2)
+
+
+class _Scaled(torch.nn.Module):
+    """A folded BatchNorm's call: kernelgen.conv2d with a float32 scale, a bias and a relu."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.w = torch.nn.Parameter(torch.randn(4, 4, 3, 3) * 0.3)
+        self.b = torch.nn.Parameter(torch.randn(4))
+        self.register_buffer("s", torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return kernelgen.conv2d(x, self.w, self.b, padding=1, activation="relu", scale=self.s)
+
+
+@pytest.mark.parametrize("form", ["traced module", "decomposed program", "translation table"])
+def test_a_scaled_epilogue_exports_as_conv_mul_add(form, tmp_path):
+    kg_onnx = import_module("kernelgen.onnx")
+    model = _Scaled().eval()
+    x = torch.randn(2, 4, 10, 10)
+    with torch.no_grad():
+        if form == "traced module":
+            data = _export(torch.jit.trace(model, (x,)), x, "torchscript", tmp_path / "m.onnx")
+        else:
+            program = torch.export.export(model, (x,))
+            if form == "decomposed program":
+                data = _export(kg_onnx.decompose(program), x, "dynamo", tmp_path / "m.onnx")
+            else:
+                data = _export(program, x, "dynamo", tmp_path / "m.onnx", custom_translation_table=_translation_table())
+    nodes = [n.op_type for n in onnx.load_from_string(data).graph.node]
+    assert "Conv" in nodes and "Mul" in nodes and "Relu" in nodes
+    _check_runs(data, model, x, 1)

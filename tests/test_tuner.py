@@ -242,3 +242,34 @@ def test_a_fresh_process_serves_tuned_gpu_choices_without_building_or_timing(fre
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"compiles": 0, "tune_timings": 0}
+
+
+@pytest.mark.compile
+def test_a_scaled_call_is_tuned_checked_and_served_with_its_scale(fresh_cache, monkeypatch):
+    # (a folded BatchNorm's float32 scale: part of the plan, the accuracy check and every timed run)
+    x, w, b = _call()
+    scale = torch.rand(16, generator=torch.Generator().manual_seed(4)) + 0.5
+    monkeypatch.setattr(tuner, "_stream_us", lambda fns, cuda=True: [2.0, 1.0][:len(fns)])
+    res = kernelgen.tune(x, w, b, padding=1, top=2, scale=scale, activation="relu")
+    assert all(note == "" for _, _, note in res.timings), res.timings  # both accurate against the scaled reference
+    assert dict(res.spec.tiles) == {"cout_block": 4} and res.spec.scale
+    y = kernelgen.conv2d(x, w, b, padding=1, scale=scale, activation="relu")
+    want = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), None, padding=1)
+                      * scale.double().reshape(-1, 1, 1) + b.double().reshape(-1, 1, 1))
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    sig = functional.signature(x, w, b, 1, 1, 1, 1, None, None, None, "relu", None, scale)
+    assert functional._plans[sig].key == kernelgen.kernels.load_kernel(
+        res.spec, kernelgen.toolchain.current("cpu"))[1]
+
+
+def test_warm_records_carry_the_scale():
+    from kernelgen import warm
+
+    rec = {"input": [2, 8, 12, 12], "weight": [16, 8, 3, 3], "bias": True, "padding": 1, "dtype": "bfloat16",
+           "device": "cpu", "scale": True}
+    spec = warm.parse_record(rec)
+    assert spec.scale and not warm.parse_record(dict(rec, scale=False)).scale
+    args = warm.record_tensors(rec, "cpu")
+    assert args["scale"].dtype == torch.float32 and args["scale"].shape == (16,)
+    with pytest.raises(warm.RecordError, match="scale"):
+        warm.parse_record(dict(rec, scale=1))
