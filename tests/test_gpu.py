@@ -13,6 +13,7 @@ never wrote shows up as NaN.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -29,9 +30,9 @@ import torch.nn.functional as F
 import kernelgen
 from kernelgen import select
 from kernelgen.device import nominal
-from kernelgen.errors import Unsupported
+from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
-from kernelgen.functional import candidates_for, spec_for
+from kernelgen.functional import candidates_for, planning_for, spec_for
 from kernelgen.spec import ConvSpec, Problem
 from activations import activate
 
@@ -66,10 +67,12 @@ class Case:
     # with the output's strides ('out'), the other memory format's ('other'), or as a strided view
     activation: str | None = None
     residual: str | None = None
+    scale: bool = False  # a float32 scale per output channel (a folded BatchNorm's), before the bias
 
     def __str__(self) -> str:
-        epilogue = (f" epilogue={self.activation or ''}{'+residual(' + self.residual + ')' if self.residual else ''}"
-                    if self.activation or self.residual else "")
+        epilogue = (f" epilogue={'scale+' if self.scale else ''}{self.activation or ''}"
+                    f"{'+residual(' + self.residual + ')' if self.residual else ''}"
+                    if self.activation or self.residual or self.scale else "")
         return (f"#{self.idx} N{self.N} {self.C}->{self.K} g{self.groups} k{self.kernel} s{self.stride} "
                 f"p{self.padding} d{self.dilation} {self.dtype}/{self.precision} {self.layout} {self.H}x{self.W}"
                 f"{' bias' if self.bias else ''}{' family=' + self.family if self.family else ''}"
@@ -1194,6 +1197,21 @@ def make_residual(case: Case, out: torch.Tensor, device: str = "cuda") -> torch.
     return r
 
 
+def make_scale(case: Case, device: str = "cuda") -> torch.Tensor | None:
+    """The case's scale (positive, near 1, as a folded BatchNorm's), or None."""
+    if not case.scale:
+        return None
+    return (0.5 + torch.rand(case.K, generator=torch.Generator().manual_seed(case.idx))).to(device)
+
+
+def torch_conv(x, w, b, s, kw) -> torch.Tensor:
+    """F.conv2d, and with a scale s: the convolution without bias times s, then the bias, in x's dtype."""
+    if s is None:
+        return F.conv2d(x, w, b, **kw)
+    y = F.conv2d(x, w, None, **kw) * s.to(x.dtype).reshape(-1, 1, 1)
+    return y if b is None else y + b.reshape(-1, 1, 1)
+
+
 def finish(case: Case, y: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     """torch's epilogue on a convolution's output `y`, in y's dtype: the residual, the activation."""
     if r is not None:
@@ -1230,7 +1248,8 @@ def make_epilogue_cases(cases: list[Case], per_family: int = 6, seed: int = 5353
     """Fused epilogues in every family: of the sweep's `cases`, `per_family` of each forced family
     (and of the selector's own choices), drawn so that each family's dtypes and layouts vary, each
     given an activation (kernelgen.ACTIVATIONS and none, in turn) and a residual (none, with the
-    output's strides, the other memory format's, a strided view, in turn), at least one of the two.
+    output's strides, the other memory format's, a strided view, in turn), at least one of the two,
+    and every other one a scale (a folded BatchNorm's) where its family applies one.
     `pytest -m gpu -k "sweep and epilogue"` runs them alone."""
     rng = random.Random(seed)
     pools: dict[str, list[Case]] = {}
@@ -1245,11 +1264,26 @@ def make_epilogue_cases(cases: list[Case], per_family: int = 6, seed: int = 5353
         seen: set = set()
         varied = [c for c in pool if (c.dtype, c.layout) not in seen and not seen.add((c.dtype, c.layout))]
         picked = (varied + [c for c in pool if c not in varied])[:per_family]
-        for case in picked:
+        for j, case in enumerate(picked):  # (every other one of a family's with a scale, where it takes one)
             i = len(out)
             act, res = acts[i % len(acts)], residuals[i % len(residuals)]
-            out.append(replace(case, idx=20000 + i, activation=act, residual=res if act or res else "out"))
+            out.append(replace(case, idx=20000 + i, activation=act, residual=res if act or res else "out",
+                               scale=j % 2 == 0 and _takes_a_scale(case)))
     return out
+
+
+def _takes_a_scale(case: Case) -> bool:
+    """Whether the case's call can take an epilogue scale (some families refuse one), on this GPU or,
+    without one, a nominal H100."""
+    x, w, b = make_tensors(case, device="meta")
+    target = contextlib.nullcontext() if torch.cuda.is_available() else planning_for("sm_90a")
+    try:
+        with target:
+            spec_for(x, w, b, **conv_kwargs(case), device="cuda", precision=case.precision, family=case.family,
+                     tiles=dict(case.tiles) or None, scale=torch.empty(case.K, device="meta"))
+    except (Unsupported, ConvArgumentError):
+        return False
+    return True
 
 
 def make_candidate_cases(n: int, seed: int = 8642) -> list[Case]:
@@ -1329,7 +1363,7 @@ def warmed(session_cache, request):
         r = make_residual(case, F.conv2d(x, w, b, **conv_kwargs(case)), device="meta")
         spec, _ = spec_for(x, w, b, **conv_kwargs(case), device="cuda", precision=case.precision,
                            family=case.family, tiles=dict(case.tiles) or None, activation=case.activation,
-                           residual=r)
+                           residual=r, scale=make_scale(case, device="meta"))
         if spec is not None:
             specs.add(spec)
     results = warm_specs(sorted(specs, key=lambda s: s.to_json()), jobs=int(os.environ.get("KERNELGEN_JOBS", "16")))
@@ -1338,7 +1372,7 @@ def warmed(session_cache, request):
     return results
 
 
-def tolerance(case: Case, x, w, b, ref, r=None) -> float:
+def tolerance(case: Case, x, w, b, ref, r=None, s=None) -> float:
     """The accuracy rules (docs/performance.md) against `ref` (float64, the epilogue included), with torch's own
     error measured on its convolution in the case's dtype and the epilogue after it."""
     kw = conv_kwargs(case)
@@ -1352,11 +1386,11 @@ def tolerance(case: Case, x, w, b, ref, r=None) -> float:
         prev = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = True
         try:
-            cudnn_err = rel_err(finish(case, F.conv2d(x, w, b, **kw), r), ref)
+            cudnn_err = rel_err(finish(case, torch_conv(x, w, b, s, kw), r), ref)
         finally:
             torch.backends.cudnn.allow_tf32 = prev
         return max(1.5 * cudnn_err, 1e-3)
-    torch_err = rel_err(finish(case, F.conv2d(x, w, b, **kw), r), ref)
+    torch_err = rel_err(finish(case, torch_conv(x, w, b, s, kw), r), ref)
     return max(1.5 * torch_err, 1e-4)
 
 
@@ -1365,11 +1399,12 @@ def test_sweep_against_float64(case: Case):
     x, w, b = make_tensors(case)
     kw = conv_kwargs(case)
     expected = F.conv2d(x, w, b, **kw)
-    r = make_residual(case, expected)
-    ref = finish(case, F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kw), r)
+    r, s = make_residual(case, expected), make_scale(case)
+    ref = finish(case, torch_conv(x.double(), w.double(), None if b is None else b.double(),
+                                  None if s is None else s.double(), kw), r)
     out_numel = ref.numel()
-    epilogue = dict(activation=case.activation, negative_slope=slope(case), residual=r) \
-        if case.activation or case.residual else {}
+    epilogue = dict(activation=case.activation, negative_slope=slope(case), residual=r, scale=s) \
+        if case.activation or case.residual or case.scale else {}
     # Twice: the first call packs the weights where its kernel does, the second reads that packing
     # (kernelgen/packs.py).
     for call in ("first", "second"):
@@ -1383,7 +1418,7 @@ def test_sweep_against_float64(case: Case):
             assert y.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(
                 memory_format=torch.channels_last), "output memory format differs from F.conv2d's"
         err = rel_err(y, ref)
-        assert err <= tolerance(case, x, w, b, ref, r), f"{call} call: relative error {err:.3g}"
+        assert err <= tolerance(case, x, w, b, ref, r, s), f"{call} call: relative error {err:.3g}"
 
 
 def test_no_fallbacks_happened():
