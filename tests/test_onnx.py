@@ -66,6 +66,20 @@ def _translation_table() -> dict:
     return import_module("kernelgen.onnx").translation_table()
 
 
+def _export_captured(model, x: torch.Tensor, form: str, tmp_path) -> bytes:
+    """The ONNX file of `model` captured first, then exported: as a traced module (TorchScript), an
+    ExportedProgram decomposed by kernelgen.onnx.decompose, or one translated by its table (importing
+    kernelgen.onnx registers the TorchScript exporter's symbolics)."""
+    kg_onnx = import_module("kernelgen.onnx")
+    with torch.no_grad():
+        if form == "traced module":
+            return _export(torch.jit.trace(model, (x,)), x, "torchscript", tmp_path / "m.onnx")
+        program = torch.export.export(model, (x,))
+        if form == "decomposed program":
+            return _export(kg_onnx.decompose(program), x, "dynamo", tmp_path / "m.onnx")
+        return _export(program, x, "dynamo", tmp_path / "m.onnx", custom_translation_table=_translation_table())
+
+
 def _convs(data: bytes) -> list[tuple]:
     """Each node of a checked standard ONNX model: its op and attributes (Conv, Relu, ...)."""
     proto = onnx.load_from_string(data)
@@ -118,20 +132,9 @@ def test_export_is_nn_conv2ds(exporter, name, tmp_path):
                          ids=["batched", "unbatched", "same dilated"])
 def test_captured_operator_exports_as_conv(form, name, shape, tmp_path):
     # Graphs captured before the export (holding kernelgen::conv2d), translated by kernelgen.onnx.
-    kg_onnx = import_module("kernelgen.onnx")
     model = MODELS[name]()
     x = torch.randn(*shape)
-    with torch.no_grad():
-        if form == "traced module":
-            data = _export(torch.jit.trace(model, (x,)), x, "torchscript", tmp_path / "m.onnx")
-        else:
-            program = torch.export.export(model, (x,))
-            if form == "decomposed program":
-                data = _export(kg_onnx.decompose(program), x, "dynamo", tmp_path / "m.onnx")
-            else:
-                data = _export(program, x, "dynamo", tmp_path / "m.onnx",
-                               custom_translation_table=_translation_table())
-    _check_runs(data, model, x, 2)
+    _check_runs(_export_captured(model, x, form, tmp_path), model, x, 2)
 
 
 class _Fused(torch.nn.Module):
@@ -285,18 +288,9 @@ class _Scaled(torch.nn.Module):
 
 @pytest.mark.parametrize("form", ["traced module", "decomposed program", "translation table"])
 def test_a_scaled_epilogue_exports_as_conv_mul_add(form, tmp_path):
-    kg_onnx = import_module("kernelgen.onnx")
     model = _Scaled().eval()
     x = torch.randn(2, 4, 10, 10)
-    with torch.no_grad():
-        if form == "traced module":
-            data = _export(torch.jit.trace(model, (x,)), x, "torchscript", tmp_path / "m.onnx")
-        else:
-            program = torch.export.export(model, (x,))
-            if form == "decomposed program":
-                data = _export(kg_onnx.decompose(program), x, "dynamo", tmp_path / "m.onnx")
-            else:
-                data = _export(program, x, "dynamo", tmp_path / "m.onnx", custom_translation_table=_translation_table())
+    data = _export_captured(model, x, form, tmp_path)
     nodes = [n.op_type for n in onnx.load_from_string(data).graph.node]
     assert "Conv" in nodes and "Mul" in nodes and "Relu" in nodes
     _check_runs(data, model, x, 1)
