@@ -41,6 +41,7 @@ from torch import nn
 from . import compiled
 from .functional import conv2d
 from .kernels import count
+from .nn import BN_SCALE
 from .nn import Conv2d as KgConv2d
 
 log = logging.getLogger("kernelgen")
@@ -338,11 +339,6 @@ def _sequential_pairs(model: nn.Module) -> list[tuple[str, str]]:
                 prefix = f"{name}." if name else ""
                 pairs.append((prefix + a_name, prefix + b_name))
     return pairs
-
-
-# The float32 per-output-channel scale a 16-bit conv keeps of its folded BatchNorm (a persistent buffer,
-# so state_dict carries it), which its forward passes to kernelgen.conv2d as `scale`.
-BN_SCALE = "bn_scale"
 
 
 @torch.no_grad()

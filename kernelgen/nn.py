@@ -12,6 +12,10 @@ from .functional import conv2d
 torch.fx.wrap("conv2d")
 
 
+# The float32 per-output-channel scale a 16-bit conv keeps of its folded BatchNorm (a persistent buffer,
+# so state_dict carries it; kernelgen.convert(fold_bn=True)), which forward passes to conv2d as `scale`.
+BN_SCALE = "bn_scale"
+
 SCRIPT_ERROR = (
     "torch.jit.script cannot compile kernelgen.Conv2d: its forward chooses and launches JIT-compiled kernels in "
     "Python. Use torch.jit.trace (the traced graph calls the operator kernelgen::conv2d; `import kernelgen` before "
@@ -44,8 +48,7 @@ class Conv2d(torch.nn.Conv2d):
         padding = self.padding
         if self.padding_mode != "zeros":
             input, padding = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode), 0
-        # a folded BatchNorm's float32 scale (kernelgen.convert(fold_bn=True) on a 16-bit model)
-        scale = self._buffers.get("bn_scale")
+        scale = self._buffers.get(BN_SCALE)
         if activation is None and residual is None and scale is None:
             return conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
                           precision=self.precision)
