@@ -127,24 +127,16 @@ def _fake_backward(grad, input, weight, output, bias, residual, stride, padding,
 
 
 def _setup_context(ctx, inputs, output):
-    # A call without an activation keeps only input and weight; with one, what its derivative reads:
-    # the output, or the bias and residual that recompute the pre-activation (as the eager Function).
+    # What gradients.to_save says, as the eager Function keeps it.
+    from .gradients import to_save
+
     ctx.params = inputs[3:11]  # stride, padding, padding_mode, dilation, groups, precision, family, tiles
     ctx.has_bias = inputs[2] is not None
     ctx.activation, ctx.negative_slope = (inputs[11], inputs[12]) if len(inputs) > 11 else (None, 0.01)
     ctx.has_residual = len(inputs) > 13 and inputs[13] is not None
-    scale = inputs[14] if len(inputs) > 14 else None
     ctx.n_inputs = len(inputs)
-    if ctx.activation is None and scale is None:
-        ctx.save_for_backward(inputs[0], inputs[1])
-    elif ctx.activation is None:
-        ctx.save_for_backward(inputs[0], inputs[1], None, None, None, scale)
-    else:
-        from .gradients import from_output
-
-        keep = from_output(ctx.activation, ctx.negative_slope)
-        ctx.save_for_backward(inputs[0], inputs[1], output if keep else None, None if keep else inputs[2],
-                              None if keep else inputs[13], scale)
+    ctx.save_for_backward(*to_save(ctx.activation, ctx.negative_slope, inputs[0], inputs[1], output, inputs[2],
+                                   inputs[13] if len(inputs) > 13 else None, inputs[14] if len(inputs) > 14 else None))
 
 
 def _backward(ctx, grad):
@@ -152,8 +144,9 @@ def _backward(ctx, grad):
     output, bias, residual, scale = epilogue or (None, None, None, None)
     n = ctx.needs_input_grad
     if len(n) > 14 and n[14]:
-        raise NotImplementedError("kernelgen.conv2d: the scale gets no gradient; pass scale.detach() (a folded "
-                                  "BatchNorm's scale is a constant of inference)")
+        from .gradients import SCALE_HAS_NO_GRADIENT
+
+        raise NotImplementedError(SCALE_HAS_NO_GRADIENT)
     needs = [bool(n[0]), bool(n[1]), ctx.has_bias and bool(n[2]), ctx.has_residual and bool(n[13])]
     grads = backward_op(grad, input, weight, output, bias, residual, *ctx.params, ctx.activation,
                         ctx.negative_slope, needs, scale)

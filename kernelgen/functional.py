@@ -246,9 +246,11 @@ def _profiled(input, weight, bias, stride, padding, dilation, groups, precision,
         return _run(plan, input, weight, bias)
 
 
-def _new_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig) -> Plan:
+def _new_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
+              activation=None, residual=None, scale=None) -> Plan:
     """A call signature's first plan, memoised for its later calls (where it has a signature)."""
-    plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig)
+    plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
+                      activation, residual, scale)
     if sig is not None:
         _plans[sig] = plan
     return plan
@@ -279,10 +281,8 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
                     residual, scale)
     plan = None if sig is None else _plans.get(sig)
     if plan is None:
-        plan = _make_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
-                          activation, residual, scale)
-        if sig is not None:
-            _plans[sig] = plan
+        plan = _new_plan(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, sig,
+                         activation, residual, scale)
     if scale is not None and not scale.is_contiguous():  # (the kernels read scale[k]; the plan checked it)
         scale = scale.contiguous()
     if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
@@ -290,8 +290,9 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
                                     or (residual is not None and residual.requires_grad)
                                     or (scale is not None and scale.requires_grad)):
         if scale is not None and scale.requires_grad:
-            raise NotImplementedError("kernelgen.conv2d: the scale gets no gradient; pass scale.detach() (a folded "
-                                      "BatchNorm's scale is a constant of inference)")
+            from .gradients import SCALE_HAS_NO_GRADIENT
+
+            raise NotImplementedError(SCALE_HAS_NO_GRADIENT)
         return _autograd().apply(plan, (stride, padding, dilation, groups, precision, family, tiles, activation,
                                         negative_slope), input, weight, bias, residual, alpha, scale)
     return _run(plan, input, weight, bias, residual=residual, alpha=alpha, scale=scale)
@@ -727,18 +728,11 @@ def _autograd() -> type:
         @staticmethod
         def forward(ctx, plan, params, input, weight, bias, residual=None, alpha=0, scale=None):  # type: ignore[override]
             # stride, padding, dilation, groups, precision, family, tiles, activation, negative_slope: as given
+            from .gradients import to_save
+
             ctx.params = params
             y = _run(plan, input, weight, bias, residual=residual, alpha=alpha, scale=scale)
-            if params[7] is None and scale is None:
-                ctx.save_for_backward(input, weight)
-            elif params[7] is None:  # (the scale alone: backward reads nothing else)
-                ctx.save_for_backward(input, weight, None, None, None, scale)
-            else:
-                from .gradients import from_output
-
-                keep = from_output(params[7], params[8])
-                ctx.save_for_backward(input, weight, y if keep else None, None if keep else bias,
-                                      None if keep else residual, scale)
+            ctx.save_for_backward(*to_save(params[7], params[8], input, weight, y, bias, residual, scale))
             return y
 
         @staticmethod

@@ -310,6 +310,21 @@ def activation_grad(grad_out: torch.Tensor, activation: str, negative_slope, sav
     return _ACTIVATION_GRADS[activation](grad_out, saved, slope)
 
 
+SCALE_HAS_NO_GRADIENT = ("kernelgen.conv2d: the scale gets no gradient; pass scale.detach() (a folded "
+                         "BatchNorm's scale is a constant of inference)")
+
+
+def to_save(activation: str | None, negative_slope, input, weight, output, bias, residual, scale) -> tuple:
+    """What a call's autograd keeps for `backward` (the eager Function and the compiled operator
+    alike): input and weight; with a scale or an activation, also (output, bias, residual, scale),
+    each None where backward does not read it: the output where from_output(), else the bias and
+    residual that recompute the pre-activation."""
+    if activation is None:
+        return (input, weight) if scale is None else (input, weight, None, None, None, scale)
+    keep = from_output(activation, negative_slope)
+    return input, weight, output if keep else None, None if keep else bias, None if keep else residual, scale
+
+
 def _scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """grad[..., k, :, :] * scale[k]: computed in float32 (float64 for float64) as the forward's
     epilogue multiplies, rounded once to grad's dtype."""
