@@ -843,31 +843,26 @@ def _record(model: nn.Module, example_inputs: Any) -> dict[nn.Module, dict]:
     return calls
 
 
-def _plan_args(call: dict) -> dict:
-    """A recorded call as functional.signature and spec_for take it: no slope, which is no part of
-    the plan (the kernels take it at run time)."""
-    return {k: v for k, v in call.items() if k != "negative_slope"}
-
-
 def _signature(call: dict) -> tuple | None:
     """The plan signature of a recorded call, its epilogue included: a fused and a bare call of
     one shape are different plans (and kernels)."""
     from . import functional
+    from .tuner import _planned  # (the call without its slope, which is no part of a plan)
 
-    return functional.signature(**_plan_args(call), family=None, tiles=None)
+    return functional.signature(**_planned(call), family=None, tiles=None)
 
 
 def _plan_of(call: dict) -> tuple[str | None, bool]:
     """(the kernel's summary, whether it was tuned) that kernelgen.conv2d serves for `call`: its
     plan record where there is one, else the selector's choice."""
-    from . import functional, plans
+    from . import functional, plans, tuner
     from .kernels import default_cache
 
     sig = _signature(call)
     record = plans.read(default_cache().root, functional._record_name(sig, call["input"])) if sig else None
     if record and record.get("summary"):
         return record["summary"], isinstance(record.get("tuned"), dict)
-    spec, _ = functional.spec_for(**_plan_args(call))
+    spec, _ = functional.spec_for(**tuner._planned(call))
     return (spec.summary() if spec is not None else None), False
 
 
