@@ -103,11 +103,9 @@ def _symbolic_epilogue(g, input, weight, bias, stride, padding, padding_mode, di
     scaled = scale is not None and not scale.node().mustBeNone()
     y = _symbolic(g, input, weight, None if scaled else bias, stride, padding, padding_mode, dilation, groups,
                   precision, family, tiles)
-    if scaled:  # (per channel: a (C, 1, 1) shape broadcasts over (N, C, H, W) and unbatched (C, H, W))
-        shape = g.op("Constant", value_t=torch.tensor([-1, 1, 1], dtype=torch.long))
-        y = g.op("Mul", y, g.op("Reshape", g.op("CastLike", scale, y), shape))
-        if not bias.node().mustBeNone():
-            y = g.op("Add", y, g.op("Reshape", bias, shape))
+    if scaled:
+        y = _scale(_GraphOps(g), y, scale, None if bias.node().mustBeNone() else bias,
+                   g.op("Constant", value_t=torch.tensor([-1, 1, 1], dtype=torch.long)))
     if not residual.node().mustBeNone():
         y = g.op("Add", y, residual)
     if activation is None:
@@ -115,6 +113,13 @@ def _symbolic_epilogue(g, input, weight, bias, stride, padding, padding_mode, di
     dtype = input.type().dtype()
     return _activate(_GraphOps(g), lambda v: g.op("Constant", value_t=torch.tensor(v, dtype=dtype)), y,
                      activation, negative_slope, g.opset)
+
+
+def _scale(op, y, scale, bias, shape):
+    """y * scale[k] (+ bias[k]) per channel, in y's dtype: `shape` is the constant (-1, 1, 1), which
+    broadcasts over (N, C, H, W) and unbatched (C, H, W). `op` as in _activate."""
+    y = op.Mul(y, op.Reshape(op.CastLike(scale, y), shape))
+    return y if bias is None else op.Add(y, op.Reshape(bias, shape))
 
 
 class _GraphOps:
@@ -184,11 +189,8 @@ def translation_table() -> dict[Callable, Callable]:
                         groups=1, precision=None, family=None, tiles=None, activation=None, negative_slope=0.01,
                         residual=None, scale=None):
         y = conv2d(input, weight, bias if scale is None else None, stride, padding, padding_mode, dilation, groups)
-        if scale is not None:  # (per channel, in the model's dtype)
-            shape = op.Constant(value_ints=[-1, 1, 1])
-            y = op.Mul(y, op.Reshape(op.CastLike(scale, y), shape))
-            if bias is not None:
-                y = op.Add(y, op.Reshape(bias, shape))
+        if scale is not None:
+            y = _scale(op, y, scale, bias, op.Constant(value_ints=[-1, 1, 1]))
         if residual is not None:
             y = op.Add(y, residual)
         return y if activation is None else _activate(op, const(y), y, activation, negative_slope, op.version)
