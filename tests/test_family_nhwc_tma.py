@@ -20,6 +20,7 @@ from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError
 from kernelgen.families import get_family
 from kernelgen.families.nhwc_tma import SHORT_1X1_K_TILES, k_tiles, reg_cap, short_1x1
+from kernelgen.render import render
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
@@ -27,10 +28,10 @@ FAM = get_family("nhwc_tma")
 
 
 def _choose(x, w, dtype="float32", math="tf32", stride=1, padding=0, dilation=1, groups=1, family="nhwc_tma",
-            tiles=None, arch="sm_90a", bias=False, channels_last=True):
+            tiles=None, arch="sm_90a", bias=False, channels_last=True, scale=False):
     """The spec `family` (this one by default) runs the call with, on a nominal GPU of target `arch`."""
     params = dict(in_channels=x[1], out_channels=w[0], kernel_size=w[2:], stride=stride, padding=padding,
-                  dilation=dilation, groups=groups, dtype=dtype, bias=bias)
+                  dilation=dilation, groups=groups, dtype=dtype, bias=bias, scale=scale)
     P, Q = ConvSpec(**params).output_size(x[2], x[3])
     problem = Problem(N=x[0], H=x[2], W=x[3], P=P, Q=Q, device=nominal(arch))
     return select.choose(params, "cuda", problem, channels_last, math if dtype == "float32" else "ieee",
@@ -349,6 +350,25 @@ def test_split_refusals_say_why():
                     tiles={"splits": splits})
     assert dict(_choose((8, 64, 7, 7), (64, 64, 3, 3), padding=1, dtype="bfloat16", family="nhwc_tma",
                         tiles={"splits": 3}).tiles)["splits"] == 3
+
+
+@pytest.mark.nvcc
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("dtype,cl", [("bfloat16", True), ("float32", False)])
+def test_split_reductions_apply_the_epilogue_scale_to_the_splits_sum(dtype, cl, tmp_path):
+    # A folded BatchNorm's scale keeps the split (refusing it once cost ResNet-50 bf16 fourteen
+    # batch-1 layers' split-K): the final pass multiplies the sum, then adds the bias.
+    spec = _choose(**L4, dtype=dtype, bias=True, channels_last=cl, scale=True)
+    assert spec.scale and dict(spec.tiles)["splits"] == 2
+    source = render(spec).cuda
+    final = "void reduce_quad(const Params& pr"  # (the final pass's functions, to the file's end)
+    assert ("pr.epi_s[c + k]" if cl else "pr.epi_s[c]") in source[source.index(final):]
+    plain = render(spec.replace(scale=False)).cuda
+    assert "epi_s" not in plain[plain.index(final):]
+    text, report = lower(spec, tmp_path)
+    assert "kg_tma_reduce" in text
+    assert report.count(" 0 bytes spill stores, 0 bytes spill loads") == report.count("spill stores"), report
 
 
 def test_forced_tiles_hold():

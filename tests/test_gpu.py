@@ -777,7 +777,8 @@ def make_nhwc_tma_split_cases() -> list[Case]:
     channels_last on a_regs tiles, the others with the output channels as wgmma's M), a last pixel
     tile of a few pixels and output channels past the last whole block, NCHW calls (odd and even
     planes, a strided view), inputs copied first (TF32's rounded copy, an offset start), weights
-    read as they lie (16-bit channels_last: cl_both) and through their strides, unbatched input."""
+    read as they lie (16-bit channels_last: cl_both) and through their strides, unbatched input,
+    and an epilogue scale."""
     rows = [  # N, C, K, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, splits (+ tiles)
         (3, 64, 136, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "cl_both", 7, 9, {"splits": 3}),
         (5, 128, 64, (3, 3), (1, 1), 1, (1, 1), False, "float16", None, "channels_last", 7, 7, {"splits": 6}),
@@ -795,8 +796,13 @@ def make_nhwc_tma_split_cases() -> list[Case]:
         (2, 128, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "strided_view", 7, 7, {"splits": 4}),
         (2, 128, 128, (5, 5), (1, 1), 2, (1, 1), True, "float16", None, "weight_slice", 9, 11, {"splits": 2}),
     ]
-    return [Case(7050 + i, n, c, k, 1, ker, st, pad, dil, b, dt, prec, lay, h, w, "nhwc_tma", tuple(sorted(t.items())))
-            for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+    plain = [Case(7050 + i, n, c, k, 1, ker, st, pad, dil, b, dt, prec, lay, h, w, "nhwc_tma", tuple(sorted(t.items())))
+             for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+    # a folded BatchNorm's scale, which the final pass applies to the splits' sum: 16-bit and TF32
+    # channels_last, NCHW, a strided view
+    scaled = [replace(plain[j], idx=7080 + j, scale=True, activation=act)
+              for j, act in ((0, "relu"), (4, None), (8, "silu"), (10, None))]
+    return plain + scaled
 
 
 def make_pointwise_tma_cases() -> list[Case]:

@@ -181,8 +181,6 @@ class NhwcTmaFamily(Family):
                 raise Unsupported(f"nhwc_tma: a halo window of {lay['HB']} x {lay['WB']} pixels exceeds the TMA's "
                                   "box (256 a side)")
         splits = tiles.get("splits", 1)
-        if splits > 1 and spec.scale:  # (the split reduction's final pass adds the bias to the sum unscaled)
-            raise Unsupported("nhwc_tma: split reductions do not apply an epilogue scale (splits=1 does)")
         if splits > 1:
             if persist or tiles.get("halo", 0):
                 raise Unsupported("nhwc_tma: split reductions run one block a tile and a k-tile a slot (persist=0, "
