@@ -188,10 +188,10 @@ def meta_specs(model: nn.Module, x: torch.Tensor) -> set:
 
     found = set()
 
-    def on_call(inp, w, b, stride, padding, dilation, groups, precision, family, tiles, activation=None,
-                residual=None):
+    def on_call(inp, w, b, stride, padding, dilation, groups, precision, family, tiles, **epilogue):
+        # (epilogue: whatever the call fused, activation, residual and scale, as the observer hands it)
         spec, _ = spec_for(inp, w, b, stride, padding, dilation, groups, device=x.device.type,
-                           precision=precision, family=family, tiles=tiles, activation=activation, residual=residual)
+                           precision=precision, family=family, tiles=tiles, **epilogue)
         if spec is not None:
             found.add(spec)
 

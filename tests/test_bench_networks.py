@@ -53,6 +53,15 @@ def test_every_variant_runs_on_the_cpu_and_agrees_with_eager(smoke):
         assert warm["failed"] == warm["not_found"] == [] and warm["compiled_later"] == 0
 
 
+def test_the_meta_run_finds_the_folded_16_bit_calls_with_their_scale():
+    # bf16 folding keeps the weights and hands conv2d BatchNorm's scale: the warm-up must plan those
+    # calls with it, or every one of them compiles on the variant's first call.
+    model = kernelgen.convert(bench.in_cell(bench.build(bench.TINY, 0), "bf16-cl", "cpu").to("meta"),
+                              fold_bn=True, fuse=bench.fuse_available())
+    specs = bench.meta_specs(model, bench.make_input(1, 16, "bf16-cl", "cpu", 0))
+    assert len(specs) == CONVS and sum(s.scale for s in specs) == WITH_BN - 1  # (the depthwise folds instead)
+
+
 def test_kernelgen_rows_carry_the_report_counts(smoke):
     _, result, _ = smoke
     rows = {(r["batch"], r["variant"]): r for r in result["rows"]}
