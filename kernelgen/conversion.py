@@ -350,8 +350,7 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
     costs ResNet-50's bf16 logits 1.66x eager's error (benchmarks/results/cpu_fold_accuracy.md).
     It gains the scale as a float32 buffer `bn_scale` instead, which the kernel's epilogue applies
     to its float32 accumulator before the (folded, 16-bit) bias: 0.93x eager's error. Grouped and
-    depthwise convs fold into the weight still: their families do not apply a scale yet, and the
-    ones that do are slower on them."""
+    depthwise convs too: their families multiply the taps by it as they convert them to float32."""
     scale = torch.rsqrt(bn.running_var.double() + bn.eps)
     if bn.weight is not None:
         scale = scale * bn.weight.double()
@@ -360,7 +359,7 @@ def _fold(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
         shift = shift + bn.bias.double()
     w = conv.weight
     bias = shift if conv.bias is None else conv.bias.double() * scale + shift
-    if w.dtype in (torch.float16, torch.bfloat16) and conv.groups == 1:
+    if w.dtype in (torch.float16, torch.bfloat16):
         if BN_SCALE in conv._buffers:  # (folded twice: the scales compose, as the bias just did)
             scale = scale * conv._buffers[BN_SCALE].double()
         conv.register_buffer(BN_SCALE, scale.to(device=w.device, dtype=torch.float32), persistent=True)

@@ -59,7 +59,7 @@ def test_the_meta_run_finds_the_folded_16_bit_calls_with_their_scale():
     model = kernelgen.convert(bench.in_cell(bench.build(bench.TINY, 0), "bf16-cl", "cpu").to("meta"),
                               fold_bn=True, fuse=bench.fuse_available())
     specs = bench.meta_specs(model, bench.make_input(1, 16, "bf16-cl", "cpu", 0))
-    assert len(specs) == CONVS and sum(s.scale for s in specs) == WITH_BN - 1  # (the depthwise folds instead)
+    assert len(specs) == CONVS and sum(s.scale for s in specs) == WITH_BN
 
 
 def test_kernelgen_rows_carry_the_report_counts(smoke):

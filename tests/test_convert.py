@@ -433,14 +433,21 @@ def test_fold_bn_keeps_16_bit_weights_and_applies_the_scale_in_float32():
     assert (back.double() - out.double()).norm() / out.double().norm() <= 2 * own
 
 
-def test_fold_bn_folds_16_bit_grouped_weights_as_before():
-    # (their families do not apply a scale yet: a grouped or depthwise conv keeps the old folding)
-    model = randomise_bn(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),
+@pytest.mark.parametrize("groups", [8, 2])
+def test_fold_bn_keeps_16_bit_grouped_and_depthwise_weights_too(groups):
+    # (their families scale the taps as they convert them to float32)
+    model = randomise_bn(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=groups, bias=False),
                                        nn.BatchNorm2d(8))).eval().to(torch.bfloat16)
     w = model[0].weight.detach().clone()
+    x = torch.randn(2, 8, 12, 12, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double())
     kernelgen.convert(model, fold_bn=True)
-    assert "bn_scale" not in model[0]._buffers and not torch.equal(model[0].weight, w)
-    assert model[0].bias is not None
+    assert torch.equal(model[0].weight.view(torch.int16), w.view(torch.int16))
+    assert model[0].bn_scale.dtype == torch.float32 and model[0].bias is not None
+    with torch.no_grad():
+        out = model(x)
+    assert (out.double() - exact).norm() / exact.norm() < 2 ** -7  # (one bf16 rounding of the output)
 
 
 def test_tune_tunes_the_call_a_scaled_layer_makes(monkeypatch):

@@ -69,6 +69,7 @@ class DepthwisePlanesFamily(Family):
     device: str = "cuda"
     template: str = "cuda/depthwise_planes.cu.j2"
     epilogue: bool = True
+    scale: bool = True  # (the taps times the scale as they are converted to the accumulator's type)
     layouts: tuple[str, ...] = ("nchw",)
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
     tiles: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: dict(TILES))

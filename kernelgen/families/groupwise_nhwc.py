@@ -98,6 +98,7 @@ class GroupwiseNhwcFamily(Family):
     device: str = "cuda"
     template: str = "cuda/groupwise_nhwc.cu.j2"
     epilogue: bool = True
+    scale: bool = True  # (the taps times the scale as they are converted to the accumulator's type)
     layouts: tuple[str, ...] = ("nhwc", "nchw")
     # float64 calls are never channels_last on CUDA (F.conv2d returns them contiguous).
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
