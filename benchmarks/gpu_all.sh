@@ -21,6 +21,8 @@
 # both), `tests-memcheck-epilogue1` and `-epilogue2` (the same calls with fused epilogues, each a
 # new kernel to build) and `tests-rest` (everything else, 2) are its parts for separate calls.
 # `tests-sweep` includes the fused-epilogue cases (`-k "sweep and epilogue"` selects them alone).
+# `tests-2gpu` runs the data-parallel training tests (DDP and FSDP2 over NCCL, tests/test_distributed.py)
+# alone, on a kind with two GPUs (nvidia-h100-x2); elsewhere they skip.
 #
 # The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
 # machine reuses what the first compiled.
@@ -52,7 +54,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 tier() { python3 -m pytest tests -m gpu -q -p no:cacheprovider -rfE "$@" 2>&1 | tee -a "$out/gpu_tests.log" | tail -40
          status=$(( status | ${PIPESTATUS[0]} )); }
 if want tests || want tests-sweep || want tests-memcheck || want tests-memcheck1 || want tests-memcheck2 ||
-   want tests-memcheck-epilogue1 || want tests-memcheck-epilogue2 || want tests-rest; then : > "$out/gpu_tests.log"; fi
+   want tests-memcheck-epilogue1 || want tests-memcheck-epilogue2 || want tests-rest || want tests-2gpu; then
+  : > "$out/gpu_tests.log"
+fi
 if want tests; then tier; fi
 if want tests-sweep; then tier -k test_sweep_against_float64; fi
 if want tests-memcheck; then tier -k test_compute_sanitizer_memcheck_is_clean; fi
@@ -60,6 +64,7 @@ if want tests-memcheck1; then tier -k "test_compute_sanitizer_memcheck_is_clean 
 if want tests-memcheck2; then tier -k "test_compute_sanitizer_memcheck_is_clean and part2"; fi
 if want tests-memcheck-epilogue1; then tier -k "test_compute_sanitizer_memcheck_with_epilogues_is_clean and part1"; fi
 if want tests-memcheck-epilogue2; then tier -k "test_compute_sanitizer_memcheck_with_epilogues_is_clean and part2"; fi
+if want tests-2gpu; then tier -k test_data_parallel_training_on_two_gpus; fi
 if want tests-rest; then
   tier -k "not test_sweep_against_float64 and not test_compute_sanitizer_memcheck_is_clean and not test_compute_sanitizer_memcheck_with_epilogues_is_clean"
 fi
