@@ -17,6 +17,7 @@ graph and replayed; 32, eager), it times these variants of the same model on the
     python benchmarks/bench_networks.py [--networks resnet50,...] [--cells fp32-nchw,bf16-cl]
         [--batches 1,32] [--variants eager,kernelgen-bn,...] [--no-compile] [--budget-s 540]
         [--json out.json] [--plot out.svg]
+    python benchmarks/bench_networks.py --train [--networks ...] [--cells ...] [--batches 64] [--json out.json]
     python benchmarks/bench_networks.py --report a.json b.json [--plot out.svg]   # saved runs; no GPU
 
 Times are medians of CUDA-event-timed forwards after warm-up, the variants taking turns round by
@@ -29,6 +30,14 @@ conversions will call are found on the meta device and compiled in parallel
 (kernelgen.warm.warm_specs, KERNELGEN_JOBS workers). A variant that raises is an error row; the
 others go on. `--budget-s` stops starting networks when the time left is less than the longest
 one took, and the JSON is rewritten after each network, so a cut run keeps what it measured.
+
+`--train` times a training step instead (issue 56): forward, cross-entropy loss, backward and an
+SGD step with momentum, in train mode, at batch 64 by default, eager beside kernelgen.convert (no
+folding: BatchNorm trains) and the torch.compile variants. The cells are float32 NCHW (torch's
+TF32 default) and bf16 channels_last as mixed-precision training runs it: float32 weights, the
+step under torch.autocast(bfloat16). Accuracy is the first step's gradients, every parameter's
+together, against a float64 step from the same weights and input, beside eager's own error; the
+kernels of the forward and of the gradients are found by a meta run of both and compiled first.
 
 Without a GPU it runs on the CPU, by default on `tiny` (a small hand-built network, no
 torchvision): a smoke check of the whole script. Its timings are the CPU path's and mean nothing.
@@ -68,6 +77,7 @@ from networks import NETWORKS, _torchvision  # noqa: E402
 TINY = "tiny"
 CELLS = {"fp32-nchw": (torch.float32, torch.contiguous_format), "bf16-cl": (torch.bfloat16, torch.channels_last)}
 BATCHES = (1, 32)
+TRAIN_BATCHES = (64,)
 # A variant's error past FLAG_RATIO times eager's is flagged (docs/performance.md's accuracy rules), unless it is within
 # the accuracy rules' bar for strict float32: there both are float32 rounding, whose ratio is noise.
 FLAG_RATIO, STRICT_FP32 = 1.5, 1e-5
@@ -90,7 +100,11 @@ def fuse_available() -> bool:
     return "fuse" in inspect.signature(kernelgen.convert).parameters
 
 
-def all_variants(fuse: bool) -> list[Variant]:
+def all_variants(fuse: bool, train: bool = False) -> list[Variant]:
+    if train:  # (BatchNorm trains: nothing to fold, and so no epilogue to fuse it into)
+        plain = (("fold_bn", False),)
+        return [Variant("eager"), Variant("kernelgen", plain), Variant("compile", None, True),
+                Variant("compile-kernelgen", plain, True)]
     best = (("fold_bn", True), ("fuse", True)) if fuse else (("fold_bn", True),)
     out = [Variant("eager"), Variant("kernelgen", (("fold_bn", False),)), Variant("kernelgen-bn", (("fold_bn", True),))]
     if fuse:
@@ -181,9 +195,10 @@ def make_input(batch: int, image: int, cell: str, device: str, seed: int) -> tor
 # ------------------------------------------------------------------------------------ warming
 
 
-def meta_specs(model: nn.Module, x: torch.Tensor) -> set:
+def meta_specs(model: nn.Module, x: torch.Tensor, backward: bool = False) -> set:
     """The specs of the kernelgen.conv2d calls a meta-device `model` makes on an input like `x`,
-    planned for x's device (what `kernelgen warm --model` does, with x's strides and dtype)."""
+    planned for x's device (what `kernelgen warm --model` does, with x's strides and dtype);
+    with `backward`, those its gradients make too (a backward pass of the meta output's sum)."""
     from kernelgen.functional import observe_meta_calls, spec_for
 
     found = set()
@@ -195,23 +210,27 @@ def meta_specs(model: nn.Module, x: torch.Tensor) -> set:
         if spec is not None:
             found.add(spec)
 
-    with torch.no_grad(), observe_meta_calls(on_call):
-        model(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
+    with torch.set_grad_enabled(backward), observe_meta_calls(on_call):
+        y = model(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
+        if backward:
+            y.float().sum().backward()
     return found
 
 
-def warm_kernels(base: nn.Module, x: torch.Tensor, converts) -> dict:
+def warm_kernels(base: nn.Module, x: torch.Tensor, converts, backward: bool = False) -> dict:
     """Compile, in parallel, the kernels of each conversion in `converts` (convert's keyword
-    pairs) of `base` on `x`: each conversion is made on a meta copy, run there to find its calls.
-    A conversion that fails here is left to the variant's own build, which will say why."""
+    pairs) of `base` on `x`: each conversion is made on a meta copy (in x's dtype, which is the
+    convolutions' under autocast too), run there to find its calls (with `backward`, its
+    gradients' as well). A conversion that fails here is left to the variant's own build, which
+    will say why."""
     from kernelgen.warm import warm_specs
 
     t0 = time.perf_counter()
     specs, unfound = set(), []
     for kw in converts:
         try:
-            meta = kernelgen.convert(copy.deepcopy(base).to("meta"), **dict(kw))
-            specs |= meta_specs(meta, x)
+            meta = kernelgen.convert(copy.deepcopy(base).to(device="meta", dtype=x.dtype), **dict(kw))
+            specs |= meta_specs(meta, x, backward)
         except Exception as exc:  # noqa: BLE001 (found again, and reported, when the variant is built)
             unfound.append(f"{dict(kw)}: {_error(exc)}")
     try:
@@ -393,6 +412,98 @@ def run_group(name: str, cell: str, batch: int, variants: list[Variant], args, u
     return list(rows.values()), warm
 
 
+def _mixed(cell: str | None, device: str):
+    """The context a training step of `cell` runs in: autocast to bfloat16 for bf16 channels_last
+    (float32 weights, as mixed-precision training keeps them), nothing for float32 (or None)."""
+    if cell is not None and CELLS[cell][0] is torch.bfloat16:
+        return torch.autocast(device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _gradients(model: nn.Module, x: torch.Tensor, target: torch.Tensor, cell: str | None) -> torch.Tensor:
+    """Every parameter's gradient of one cross-entropy step from `model`'s weights, as one float64
+    vector (the gradients are left cleared)."""
+    model.zero_grad(set_to_none=True)
+    with _mixed(cell, x.device.type):
+        loss = nn.functional.cross_entropy(model(x), target)
+    loss.backward()
+    out = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def training_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, cell: str) -> Callable[[], torch.Tensor]:
+    """A callable running one training step of `model` (forward, loss, backward, SGD with
+    momentum) and returning the loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with _mixed(cell, x.device.type):
+            loss = nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def run_train_group(name: str, cell: str, batch: int, variants: list[Variant], args, until: float) -> tuple[list, dict]:
+    """The rows of every variant's training step of network `name` in `cell` at `batch` (module
+    docstring), and what warming did."""
+    cuda = args.device == "cuda"
+    base = build(name, args.seed).to(device=args.device, memory_format=CELLS[cell][1]).train()
+    x = make_input(batch, args.image, cell, args.device, args.seed).float()
+    with torch.no_grad():
+        classes = base(x[:1]).shape[-1]
+    target = torch.randint(classes, (batch,), generator=torch.Generator().manual_seed(args.seed)).to(args.device)
+    kernel_x = x.to(CELLS[cell][0])  # (what the convolutions see: autocast's dtype)
+    warm = warm_kernels(base, kernel_x, dict.fromkeys(v.convert for v in variants if v.convert is not None),
+                        backward=True)
+    print(f"# {name} {cell} b{batch} train: {warm['kernels']} kernels ({warm['built']} built) in "
+          f"{warm['seconds']:.0f} s" + (f"; FAILED {warm['failed']}" if warm["failed"] else ""), flush=True)
+    reference = _gradients(copy.deepcopy(base).double(), x.double(), target, None)
+    models = _Models(base, x)
+    rows, fns, used = {}, {}, {}
+    compiles = kernelgen.stats()["compiles"]
+    for v in variants:
+        row = rows[v.name] = dict(network=name, cell=cell, batch=batch, variant=v.name, graph=False, train=True,
+                                  compiled=v.compiled, convert=None if v.convert is None else dict(v.convert),
+                                  top1_eager=None, top1_fp64=None)
+        if time.monotonic() >= until:
+            row["skipped"] = "the time budget was spent"
+            continue
+        t0 = time.perf_counter()
+        try:
+            # each variant trains a copy of its own, from the same weights
+            model = copy.deepcopy(base if v.convert is None else models.get(v.convert))
+            run = torch.compile(model, dynamic=False) if v.compiled else model
+            g = _gradients(run, x, target, cell)  # (also compiles what is not compiled yet)
+            row.update(rel_err=rel_err(g, reference), finite=bool(torch.isfinite(g).all()))
+            fns[v.name], used[v.name] = training_step(run, x, target, cell), model
+            fns[v.name]()
+        except Exception as exc:  # one failing variant must not hide the others
+            row["error"] = _error(exc)
+            if cuda:
+                _check_alive()
+        row["ready_s"] = time.perf_counter() - t0
+        print(f"# {name} {cell} b{batch} {v.name}: " + (f"ERROR {row['error'][:200]}" if "error" in row else
+                                                        f"ready in {row['ready_s']:.1f} s"), flush=True)
+    warm["compiled_later"] = kernelgen.stats()["compiles"] - compiles
+    for v_name, ms in _time(fns, cuda, args).items():
+        rows[v_name]["error" if isinstance(ms, str) else "ms"] = ms
+    eager_ms = rows["eager"].get("ms")
+    for n, row in rows.items():
+        if "ms" in row and eager_ms is not None:
+            row["speedup"] = eager_ms / row["ms"]
+        if n in used and "ms" in row and row["convert"] is not None:
+            row["report"] = report_counts(used[n])
+    eager_err = rows["eager"].get("rel_err")
+    for row in rows.values():
+        _flag(row, eager_err)
+    return list(rows.values()), warm
+
+
 def _release() -> None:
     gc.collect()
     torch._dynamo.reset()  # a group's compiled graphs are not needed again, and count toward recompile limits
@@ -409,12 +520,13 @@ def _num(v, spec: str, suffix: str = "") -> str:
 
 
 def _fmt_row(r: dict) -> str:
-    head = f"| {r['network']} | {r['cell']} | {r['batch']}{' graph' if r.get('graph') else ''} | {r['variant']} |"
+    head = (f"| {r['network']} | {r['cell']} | {r['batch']}{' graph' if r.get('graph') else ''}"
+            f"{' train' if r.get('train') else ''} | {r['variant']} |")
     if "error" in r or "skipped" in r:
         return f"{head} | | | | | | {'ERROR ' + r['error'][:160] if 'error' in r else r['skipped']} |"
     note = "FLAG: error past 1.5x eager's (and 1e-5)" if r.get("flagged") else ""
     return (f"{head} {r['ms']:.3f} | {_num(r.get('speedup'), '.2f', 'x')} | {_num(r['top1_eager'], '.2f')} | "
-            f"{r['top1_fp64']:.2f} | {r['rel_err']:.2e} | {_num(r.get('err_ratio'), '.2f', 'x')} | {note} |")
+            f"{_num(r['top1_fp64'], '.2f')} | {r['rel_err']:.2e} | {_num(r.get('err_ratio'), '.2f', 'x')} | {note} |")
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -423,16 +535,16 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def geomeans(rows: list[dict]) -> list[dict]:
-    """Per (cell, batch, variant) other than eager: the geometric mean of the networks' speedups,
-    how many networks it covers, and the slowest network."""
+    """Per (cell, batch, variant, and training step or not) other than eager: the geometric mean
+    of the networks' speedups, how many networks it covers, and the slowest network."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if "speedup" in r and r["variant"] != "eager":
-            groups.setdefault((r["cell"], r["batch"], r["variant"]), []).append(r)
+            groups.setdefault((r["cell"], r["batch"], r["variant"], bool(r.get("train"))), []).append(r)
     out = []
-    for (cell, batch, variant), rs in groups.items():
+    for (cell, batch, variant, train), rs in groups.items():
         worst = min(rs, key=lambda r: r["speedup"])
-        out.append(dict(cell=cell, batch=batch, variant=variant, networks=len(rs),
+        out.append(dict(cell=cell, batch=batch, variant=variant, train=train, networks=len(rs),
                         geomean=_geomean(r["speedup"] for r in rs), worst=[worst["network"], worst["speedup"]],
                         flagged=sum(bool(r.get("flagged")) for r in rs)))
     return out
@@ -441,7 +553,8 @@ def geomeans(rows: list[dict]) -> list[dict]:
 def geomean_table(summary: list[dict]) -> list[str]:
     lines = ["| cell | batch | variant | networks | geomean speedup | slowest | flagged |",
              "|---|---|---|---|---|---|---|"]
-    return lines + [f"| {s['cell']} | {s['batch']} | {s['variant']} | {s['networks']} | {s['geomean']:.2f}x | "
+    return lines + [f"| {s['cell']} | {s['batch']}{' train' if s.get('train') else ''} | {s['variant']} | "
+                    f"{s['networks']} | {s['geomean']:.2f}x | "
                     f"{s['worst'][0]} {s['worst'][1]:.2f}x | {s['flagged']} |" for s in summary]
 
 
@@ -502,13 +615,14 @@ def header(args, variants: list[Variant]) -> dict:
                 cudnn=torch.backends.cudnn.version() if cuda else None, kernelgen=kernelgen.__version__,
                 kernelgen_commit=_commit(), tf32=_tf32_settings(), fuse_available=fuse_available(),
                 cudnn_benchmark=torch.backends.cudnn.benchmark, networks=args.networks, cells=args.cells,
-                batches=args.batches, image=args.image, seed=args.seed, variants=[v.name for v in variants],
+                batches=args.batches, train=args.train, image=args.image, seed=args.seed,
+                variants=[v.name for v in variants],
                 timing=dict(rounds=args.rounds, reps=args.reps, warmup=args.warmup), budget_s=args.budget_s,
                 rows=[], warm=[], not_run=[], geomeans=[])
 
 
 def _progress(r: dict) -> str:
-    head = f"{r['network']:20} {r['cell']:9} b{r['batch']:<3} {r['variant']:18}"
+    head = f"{r['network']:20} {r['cell']:9} b{r['batch']:<3}{' train' if r.get('train') else ''} {r['variant']:18}"
     if "error" in r:
         return f"{head} ERROR {r['error'][:200]}"
     if "skipped" in r:
@@ -536,7 +650,8 @@ def run(args, variants: list[Variant]) -> dict:
                         continue
                     t0 = time.monotonic()
                     try:
-                        rows, warm = run_group(name, cell, batch, variants, args, end)
+                        rows, warm = (run_train_group if args.train else run_group)(name, cell, batch, variants,
+                                                                                     args, end)
                     except ContextLost:
                         raise
                     except Exception as exc:  # building the network itself failed: one row says so
@@ -577,7 +692,7 @@ def report_files(paths: list[str], plot_path: str | None) -> int:
         saved = json.loads(Path(p).read_text())
         print(f"# {p}: {saved['device']}; torch {saved['torch']}; kernelgen {saved['kernelgen_commit']}")
         for r in saved["rows"]:
-            merged[(r["network"], r["cell"], r["batch"], r["variant"])] = r
+            merged[(r["network"], r["cell"], r["batch"], r["variant"], bool(r.get("train")))] = r
     rows = list(merged.values())
     show(dict(rows=rows, geomeans=geomeans(rows)))
     if plot_path:
@@ -598,8 +713,10 @@ def main(argv=None) -> int:
     ap.add_argument("--networks", help=f"comma-separated, of {list(NETWORKS)} (default: all on a GPU), or "
                                        f"'{TINY}': a small network for the CPU smoke check (the CPU's default)")
     ap.add_argument("--cells", default=",".join(CELLS), help="fp32-nchw, bf16-cl or both")
-    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
-                    help="batch sizes; batch 1 is captured in a CUDA graph on a GPU")
+    ap.add_argument("--batches", help=f"batch sizes (default {','.join(map(str, BATCHES))}; --train "
+                                      f"{','.join(map(str, TRAIN_BATCHES))}); batch 1 is captured in a CUDA graph on "
+                                      "a GPU, except for --train")
+    ap.add_argument("--train", action="store_true", help="time a training step (module docstring)")
     ap.add_argument("--variants", help="comma-separated (default: all; eager is always run): "
                                        + ", ".join(v.name for v in all_variants(True)))
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -623,10 +740,11 @@ def main(argv=None) -> int:
                           (*NETWORKS, TINY), "network", ap)
     args.cells = _list(args.cells, CELLS, "cell", ap)
     try:
-        args.batches = [int(b) for b in args.batches.split(",") if b]
+        args.batches = [int(b) for b in (args.batches or ",".join(map(str, TRAIN_BATCHES if args.train else BATCHES)))
+                        .split(",") if b]
     except ValueError:
         ap.error(f"--batches: expected comma-separated integers, got {args.batches!r}")
-    known = all_variants(fuse_available())
+    known = all_variants(fuse_available(), args.train)
     chosen = set(_list(args.variants, [v.name for v in known], "variant (for this kernelgen)", ap)
                  if args.variants else [v.name for v in known]) | {"eager"}
     variants = [v for v in known if v.name in chosen and (args.compile or not v.compiled)]

@@ -14,6 +14,7 @@
 # `networks` times whole torchvision networks, eager beside kernelgen and torch.compile
 # (benchmarks/bench_networks.py, needs torchvision); all of it takes more than one call, so
 # NETWORKS_ARGS narrows a call, e.g. NETWORKS_ARGS="--cells bf16-cl --batches 32 --no-compile".
+# NETWORKS_ARGS="--train ..." times training steps instead (batch 64, eager beside kernelgen).
 #
 # The tier takes more than one device call (about 17 minutes on the H100, each call at most 10):
 # `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck1` and `tests-memcheck2`

@@ -62,6 +62,21 @@ def test_the_meta_run_finds_the_folded_16_bit_calls_with_their_scale():
     assert len(specs) == CONVS and sum(s.scale for s in specs) == WITH_BN
 
 
+def test_a_training_step_runs_on_the_cpu_beside_eager(tmp_path):
+    path = tmp_path / "train.json"
+    rc = bench.main(FAST + ["--train", "--batches", "2", "--no-compile", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert rc == 0 and result["train"] and result["batches"] == [2]
+    assert [r["variant"] for r in result["rows"]] == ["eager", "kernelgen"]  # (no folding while training)
+    for r in result["rows"]:
+        assert r["train"] and "error" not in r and r["ms"] > 0 and r["finite"] and not r["flagged"]
+        assert r["rel_err"] < 1e-5  # the first step's gradients against float64's
+    assert result["rows"][1]["report"]["on_kernelgen"] == CONVS and result["rows"][1]["report"]["fallbacks"] == 0
+    # the meta run found the gradients' kernels too: nothing compiled on the first step
+    assert [(w["failed"], w["compiled_later"]) for w in result["warm"]] == [([], 0)]
+    assert [(g["variant"], g["train"]) for g in result["geomeans"]] == [("kernelgen", True)]
+
+
 def test_kernelgen_rows_carry_the_report_counts(smoke):
     _, result, _ = smoke
     rows = {(r["batch"], r["variant"]): r for r in result["rows"]}
