@@ -338,6 +338,41 @@ def test_layers_of_few_tiles_split_their_reduction_in_two(layer, dtype, cl, spli
     assert dict(spec.tiles)["splits"] == splits
 
 
+@pytest.mark.parametrize("layer,dtype,cl,splits", [
+    # weight gradients' convolutions (batch and channels swapped, dY as the kernel): ResNet-50's
+    # 3x3 64->64 at batch 64 (5 tiles, 3136 k-tiles: 32 ways, 160 blocks) and its 1x1 256->64
+    (dict(x=(64, 64, 56, 56), w=(64, 64, 56, 56), padding=1), "bfloat16", True, 32),
+    (dict(x=(64, 64, 56, 56), w=(64, 64, 56, 56), padding=1), "float32", False, 32),
+    (dict(x=(256, 64, 56, 56), w=(64, 64, 56, 56)), "float32", False, 64),
+    # 324 k-tiles over one tile: as many as divide it with 16 k-tiles a split or more (12)
+    (dict(x=(8, 32, 20, 20), w=(32, 32, 18, 18)), "float32", False, 12),
+    # under 256 k-tiles: the forward's rule (two ways for 128-channel tiles, or none)
+    (dict(x=(1, 512, 7, 7), w=(512, 512, 3, 3), padding=1), "bfloat16", True, 2),
+    (dict(x=(8, 64, 20, 20), w=(64, 64, 10, 10)), "bfloat16", True, 1),
+    # half the SMs of tiles or more: none
+    (dict(x=(64, 64, 64, 64), w=(256, 64, 40, 40)), "bfloat16", True, 1),
+])
+def test_reduction_bound_layers_split_deep(layer, dtype, cl, splits):
+    spec = _choose(**layer, dtype=dtype, family="nhwc_tma", channels_last=cl)
+    t = dict(spec.tiles)
+    assert t["splits"] == splits
+    if splits > 1:
+        assert (t["persist"], t["halo"], t["wres"]) == (0, 0, 0)
+        assert spec.template_context()["WORKSPACE_PER_OUTPUT"] == 4 * splits
+
+
+@pytest.mark.nvcc
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("dtype,cl,splits", [("bfloat16", True, 32), ("float32", False, 64), ("float32", True, 48)])
+def test_deep_splits_lower_without_spills(dtype, cl, splits, tmp_path):
+    spec = _choose((64, 64, 24, 24), (64, 64, 24, 24), dtype=dtype, channels_last=cl, tiles={"splits": splits})
+    assert dict(spec.tiles)["splits"] == splits
+    text, report = lower(spec, tmp_path)
+    assert "kg_tma_reduce" in text
+    assert report.count(" 0 bytes spill stores, 0 bytes spill loads") == report.count("spill stores"), report
+
+
 def test_split_refusals_say_why():
     with pytest.raises(ConvArgumentError, match="one block a tile"):
         _choose(**L4, dtype="bfloat16", family="nhwc_tma", tiles={"splits": 2, "persist": 1})

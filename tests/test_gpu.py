@@ -778,7 +778,7 @@ def make_nhwc_tma_split_cases() -> list[Case]:
     tile of a few pixels and output channels past the last whole block, NCHW calls (odd and even
     planes, a strided view), inputs copied first (TF32's rounded copy, an offset start), weights
     read as they lie (16-bit channels_last: cl_both) and through their strides, unbatched input,
-    and an epilogue scale."""
+    deep splits (up to 32 ways) and an epilogue scale."""
     rows = [  # N, C, K, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, splits (+ tiles)
         (3, 64, 136, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "cl_both", 7, 9, {"splits": 3}),
         (5, 128, 64, (3, 3), (1, 1), 1, (1, 1), False, "float16", None, "channels_last", 7, 7, {"splits": 6}),
@@ -795,6 +795,11 @@ def make_nhwc_tma_split_cases() -> list[Case]:
         (2, 64, 72, (3, 3), (1, 1), 1, (1, 1), False, "float32", "tf32", "contiguous", 8, 8, {"splits": 2}),
         (2, 128, 64, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "strided_view", 7, 7, {"splits": 4}),
         (2, 128, 128, (5, 5), (1, 1), 2, (1, 1), True, "float16", None, "weight_slice", 9, 11, {"splits": 2}),
+        # deep splits (a weight gradient's shape: a few outputs, each a long sum): the selector's
+        # 12 ways, and 32 forced on TF32 channels_last's a_regs tiles
+        (8, 32, 32, (18, 18), (1, 1), 0, (1, 1), False, "float32", "tf32", "contiguous", 20, 20, {}),
+        (8, 32, 40, (18, 18), (1, 1), 0, (1, 1), True, "bfloat16", None, "channels_last", 20, 20, {}),
+        (4, 64, 64, (16, 16), (1, 1), 1, (1, 1), False, "float32", "tf32", "channels_last", 18, 18, {"splits": 32}),
     ]
     plain = [Case(7050 + i, n, c, k, 1, ker, st, pad, dil, b, dt, prec, lay, h, w, "nhwc_tma", tuple(sorted(t.items())))
              for i, (n, c, k, ker, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]

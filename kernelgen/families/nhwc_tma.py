@@ -55,6 +55,12 @@ HALO_MIN_Q = 112  # output rows at least this long take halo tiles by default (5
 # a_regs layers of fewer 128-pixel tiles than half the GPU's SMs take 64-pixel ones; other layers of
 # so few tiles split their reduction in two
 SPLIT_MIN_K_TILES = 8  # (where it has this many k-tiles or more, an even number)
+# Deep splits: a layer of fewer tiles than half the SMs whose reduction is DEEP_SPLIT_MIN_K_TILES
+# k-tiles or more (a weight gradient's: few outputs, each a sum over a batch's pixels) splits it
+# into up to two blocks an SM, DEEP_SPLIT_MIN_A_SPLIT k-tiles a split or more, the largest count
+# of DEEP_SPLITS that divides it.
+DEEP_SPLIT_MIN_K_TILES, DEEP_SPLIT_MIN_A_SPLIT = 256, 16
+DEEP_SPLITS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SHORT_1X1_K_TILES = 5  # channels_last 1x1 layers of at most this many k-tiles walk tiles (short_1x1)
 
 
@@ -62,6 +68,16 @@ def k_tiles(spec: "ConvSpec") -> int:
     """The reduction's k-tiles: one a kernel tap and 128 bytes of its input channels."""
     kh, kw = spec.kernel_size
     return kh * kw * -(-spec.in_channels * element_size(spec) // 128)
+
+
+def deep_splits(spec: "ConvSpec", tiles: int, sms: int) -> int:
+    """The splits of a reduction-bound layer of `tiles` output tiles on `sms` SMs (DEEP_SPLIT_*),
+    or 1 where it is not one."""
+    kt = k_tiles(spec)
+    if 2 * tiles >= sms or kt < DEEP_SPLIT_MIN_K_TILES:
+        return 1
+    want = -(-2 * sms // tiles)
+    return max((s for s in DEEP_SPLITS if s <= want and kt % s == 0 and kt // s >= DEEP_SPLIT_MIN_A_SPLIT), default=1)
 
 
 def short_1x1(spec: "ConvSpec") -> bool:
@@ -246,6 +262,10 @@ class NhwcTmaFamily(Family):
         splits: one block a tile of 128 output channels (16-bit channels_last, and NCHW calls)
         where the layer has fewer than half the SMs of them, split in two along an even
         reduction of SPLIT_MIN_K_TILES k-tiles or more, so that twice the blocks share the work.
+        Deep splits (deep_splits; not yet measured, derived from the SMs a launch would leave
+        idle): a layer of fewer tiles than half the SMs over a reduction of 256 k-tiles or more,
+        as a weight gradient is (ResNet-50's 3x3 64->64 at batch 64: 5 tiles, 3136 k-tiles),
+        splits it into up to two blocks an SM (32 ways there), whatever its tiles.
 
         short_1x1 layers (channels_last 1x1, stride 1, reductions of up to SHORT_1X1_K_TILES
         k-tiles) walk tiles (persist), 16-bit ones of 129-256 output channels in one block of 256:
@@ -284,7 +304,10 @@ class NhwcTmaFamily(Family):
             return ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
 
         tiles = -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // bco)
-        if (bco > 64 and not tf32_cl and tiles < device.sms // 2 and k_tiles(spec) >= SPLIT_MIN_K_TILES
+        deep = deep_splits(spec, tiles, device.sms) if fixed.get("persist", 0) == 0 else 1
+        if deep > 1:
+            walks = [{"splits": deep, **walk} for walk in walks]
+        elif (bco > 64 and not tf32_cl and tiles < device.sms // 2 and k_tiles(spec) >= SPLIT_MIN_K_TILES
                 and k_tiles(spec) % 2 == 0 and fixed.get("persist", 0) == 0):
             walks = [{"splits": 2, **walk} for walk in walks]
         bases = [{**base, **walk, **fixed} for walk in walks]
@@ -319,7 +342,7 @@ nhwc_tma = NhwcTmaFamily(
     tiles={"block_co": (64, 128, 256), "block_p": BLOCK_P, "wgn": (1, 2), "stages": (4, 2, 3, 5, 6, 7, 8),
            "min_blocks": (1, 2), "round_smem": (0, 1, 2, 4), "persist": (0, 1), "wres": (0, 1),
            "pipes": (1, 2), "halo": (0, 1), "wstages": (4, 2, 6, 8), "a_regs": (0, 1),
-           "splits": (1, 2, 3, 4, 6, 8)},
+           "splits": (1, *DEEP_SPLITS)},
 )
 
 FAMILIES = (nhwc_tma,)
