@@ -181,23 +181,31 @@ def make_input(batch: int, image: int, cell: str, device: str, seed: int) -> tor
 # ------------------------------------------------------------------------------------ warming
 
 
-def meta_specs(model: nn.Module, x: torch.Tensor) -> set:
-    """The specs of the kernelgen.conv2d calls a meta-device `model` makes on an input like `x`,
-    planned for x's device (what `kernelgen warm --model` does, with x's strides and dtype)."""
+def observed_specs(fn: Callable[[], Any], device: str) -> list:
+    """The specs of the kernelgen.conv2d calls `fn` makes on meta tensors, in call order, each
+    planned for `device` with the call's own precision, family, tiles and epilogue."""
     from kernelgen.functional import observe_meta_calls, spec_for
 
-    found = set()
+    found = []
 
     def on_call(inp, w, b, stride, padding, dilation, groups, precision, family, tiles, **epilogue):
         # (epilogue: whatever the call fused, activation, residual and scale, as the observer hands it)
-        spec, _ = spec_for(inp, w, b, stride, padding, dilation, groups, device=x.device.type,
+        spec, _ = spec_for(inp, w, b, stride, padding, dilation, groups, device=device,
                            precision=precision, family=family, tiles=tiles, **epilogue)
         if spec is not None:
-            found.add(spec)
+            found.append(spec)
 
-    with torch.no_grad(), observe_meta_calls(on_call):
-        model(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
+    with observe_meta_calls(on_call):
+        fn()
     return found
+
+
+def meta_specs(model: nn.Module, x: torch.Tensor) -> set:
+    """The specs of the kernelgen.conv2d calls a meta-device `model` makes on an input like `x`,
+    planned for x's device (what `kernelgen warm --model` does, with x's strides and dtype)."""
+    meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    with torch.no_grad():
+        return set(observed_specs(lambda: model(meta), x.device.type))
 
 
 def warm_kernels(base: nn.Module, x: torch.Tensor, converts) -> dict:
