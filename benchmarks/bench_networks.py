@@ -195,26 +195,38 @@ def make_input(batch: int, image: int, cell: str, device: str, seed: int) -> tor
 # ------------------------------------------------------------------------------------ warming
 
 
+def observed_specs(fn: Callable[[], Any], device: str) -> list:
+    """The specs of the kernelgen.conv2d calls `fn` makes on meta tensors, in call order, each
+    planned for `device` with the call's own precision, family, tiles and epilogue."""
+    from kernelgen.functional import observe_meta_calls, spec_for
+
+    found = []
+
+    def on_call(inp, w, b, stride, padding, dilation, groups, precision, family, tiles, **epilogue):
+        # (epilogue: whatever the call fused, activation, residual and scale, as the observer hands it)
+        spec, _ = spec_for(inp, w, b, stride, padding, dilation, groups, device=device,
+                           precision=precision, family=family, tiles=tiles, **epilogue)
+        if spec is not None:
+            found.append(spec)
+
+    with observe_meta_calls(on_call):
+        fn()
+    return found
+
+
 def meta_specs(model: nn.Module, x: torch.Tensor, backward: bool = False) -> set:
     """The specs of the kernelgen.conv2d calls a meta-device `model` makes on an input like `x`,
     planned for x's device (what `kernelgen warm --model` does, with x's strides and dtype);
     with `backward`, those its gradients make too (a backward pass of the meta output's sum)."""
-    from kernelgen.functional import observe_meta_calls, spec_for
+    meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
 
-    found = set()
-
-    def on_call(inp, w, b, stride, padding, dilation, groups, precision, family, tiles, **epilogue):
-        # (epilogue: whatever the call fused, activation, residual and scale, as the observer hands it)
-        spec, _ = spec_for(inp, w, b, stride, padding, dilation, groups, device=x.device.type,
-                           precision=precision, family=family, tiles=tiles, **epilogue)
-        if spec is not None:
-            found.add(spec)
-
-    with torch.set_grad_enabled(backward), observe_meta_calls(on_call):
-        y = model(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
+    def run() -> None:
+        y = model(meta)
         if backward:
             y.float().sum().backward()
-    return found
+
+    with torch.set_grad_enabled(backward):
+        return set(observed_specs(run, x.device.type))
 
 
 def warm_kernels(base: nn.Module, x: torch.Tensor, converts, backward: bool = False) -> dict:

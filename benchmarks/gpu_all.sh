@@ -5,7 +5,7 @@
 # back eight).
 #
 #   bash benchmarks/gpu_all.sh [STAGE...]    stages: tests (or its parts, below) examples bench layers
-#                                            census table ceiling machinery move87 networks
+#                                            census table ceiling machinery move87 networks backward
 #                                            (default: tests examples bench layers ceiling machinery)
 #
 # `census` times the seeded layer census (benchmarks/census.py, two cells, untuned and tuned);
@@ -15,6 +15,9 @@
 # (benchmarks/bench_networks.py, needs torchvision); all of it takes more than one call, so
 # NETWORKS_ARGS narrows a call, e.g. NETWORKS_ARGS="--cells bf16-cl --batches 32 --no-compile".
 # NETWORKS_ARGS="--train ..." times training steps instead (batch 64, eager beside kernelgen).
+# `backward` times the gradients of single layers beside cuDNN's (benchmarks/bench_backward.py; the
+# five cases and bench_layers' 28 by default, one call); BACKWARD_ARGS narrows or widens it, e.g.
+# BACKWARD_ARGS="--layers census --skip 120".
 #
 # The tier takes more than one device call (about 17 minutes on the H100, each call at most 10):
 # `tests-sweep` (the sweep against float64, 6 minutes), `tests-memcheck1` and `tests-memcheck2`
@@ -43,7 +46,7 @@ status=0
 # The logs the stages below append to start empty.
 if want examples; then : > "$out/examples.log"; fi
 if want bench || want layers || want census || want table || want ceiling || want machinery || want move87 ||
-   want networks; then
+   want networks || want backward; then
   : > "$out/benches.log"
 fi
 
@@ -111,6 +114,12 @@ if want networks; then
   # shellcheck disable=SC2086
   python3 benchmarks/bench_networks.py --budget-s 540 --json "$out/bench_networks.json" ${NETWORKS_ARGS:-} 2>&1 \
     | tee -a "$out/benches.log" | tail -80
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if want backward; then
+  # shellcheck disable=SC2086
+  python3 benchmarks/bench_backward.py --budget-s 540 --json "$out/bench_backward.json" ${BACKWARD_ARGS:-} 2>&1 \
+    | tee -a "$out/benches.log" | tail -60
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if want move87; then
