@@ -371,6 +371,24 @@ def _flag(row: dict, eager_err: float | None) -> None:
     row["flagged"] = row["variant"] != "eager" and (not row["finite"] or err > row["err_bound"])
 
 
+def _ready(row: dict, make: Callable[[], Any], cuda: bool) -> Any:
+    """What `make` (a variant's preparation) returns, or None where it raised: the row records the
+    error or the seconds it took, and a line says which. One failing variant (torch.compile, a
+    kernel) must not hide the others."""
+    t0 = time.perf_counter()
+    made = None
+    try:
+        made = make()
+    except Exception as exc:
+        row["error"] = _error(exc)
+        if cuda:
+            _check_alive()
+    row["ready_s"] = time.perf_counter() - t0
+    print(f"# {row['network']} {row['cell']} b{row['batch']} {row['variant']}: " +
+          (f"ERROR {row['error'][:200]}" if "error" in row else f"ready in {row['ready_s']:.1f} s"), flush=True)
+    return made
+
+
 @torch.no_grad()
 def run_group(name: str, cell: str, batch: int, variants: list[Variant], args, until: float) -> tuple[list, dict]:
     """The rows of every variant of network `name` in `cell` at `batch`, and what warming did."""
@@ -392,16 +410,9 @@ def run_group(name: str, cell: str, batch: int, variants: list[Variant], args, u
         if time.monotonic() >= until:
             row["skipped"] = "the time budget was spent"
             continue
-        t0 = time.perf_counter()
-        try:
-            fns[v.name], used[v.name] = prepare(v, models, graphs)
-        except Exception as exc:  # one failing variant (torch.compile, a kernel) must not hide the others
-            row["error"] = _error(exc)
-            if cuda:
-                _check_alive()
-        row["ready_s"] = time.perf_counter() - t0
-        print(f"# {name} {cell} b{batch} {v.name}: " + (f"ERROR {row['error'][:200]}" if "error" in row else
-                                                        f"ready in {row['ready_s']:.1f} s"), flush=True)
+        made = _ready(row, lambda: prepare(v, models, graphs), cuda)
+        if made is not None:
+            fns[v.name], used[v.name] = made
     # Kernels the meta run did not find (none, where warming works) compiled one at a time above.
     warm["compiled_later"] = kernelgen.stats()["compiles"] - compiles
     if warm["compiled_later"]:
@@ -485,22 +496,19 @@ def run_train_group(name: str, cell: str, batch: int, variants: list[Variant], a
         if time.monotonic() >= until:
             row["skipped"] = "the time budget was spent"
             continue
-        t0 = time.perf_counter()
-        try:
+        def make(v: Variant = v, row: dict = row) -> tuple[Callable[[], torch.Tensor], nn.Module]:
             # each variant trains a copy of its own, from the same weights
             model = copy.deepcopy(base if v.convert is None else models.get(v.convert))
             run = torch.compile(model, dynamic=False) if v.compiled else model
             g = _gradients(run, x, target, cell)  # (also compiles what is not compiled yet)
             row.update(rel_err=rel_err(g, reference), finite=bool(torch.isfinite(g).all()))
-            fns[v.name], used[v.name] = training_step(run, x, target, cell), model
-            fns[v.name]()
-        except Exception as exc:  # one failing variant must not hide the others
-            row["error"] = _error(exc)
-            if cuda:
-                _check_alive()
-        row["ready_s"] = time.perf_counter() - t0
-        print(f"# {name} {cell} b{batch} {v.name}: " + (f"ERROR {row['error'][:200]}" if "error" in row else
-                                                        f"ready in {row['ready_s']:.1f} s"), flush=True)
+            step = training_step(run, x, target, cell)
+            step()
+            return step, model
+
+        made = _ready(row, make, cuda)
+        if made is not None:
+            fns[v.name], used[v.name] = made
     warm["compiled_later"] = kernelgen.stats()["compiles"] - compiles
     for v_name, ms in _time(fns, cuda, args).items():
         rows[v_name]["error" if isinstance(ms, str) else "ms"] = ms
