@@ -17,7 +17,7 @@ import kernelgen
 pytestmark = pytest.mark.gpu
 
 # input (NCHW), weight, conv arguments: dense, strided (the input gradient by phases), 1x1,
-# depthwise, grouped, dilated and 'same', first-layer-like
+# depthwise, grouped, dilated and 'same', first-layer-like, a batch of 32
 LAYERS = [
     ((4, 32, 14, 14), (64, 32, 3, 3), dict(padding=1)),
     ((4, 32, 15, 15), (64, 32, 3, 3), dict(stride=2, padding=1)),
@@ -26,8 +26,10 @@ LAYERS = [
     ((2, 32, 12, 12), (64, 8, 3, 3), dict(padding=1, groups=4)),
     ((2, 16, 17, 13), (24, 16, 3, 3), dict(padding="same", dilation=2)),
     ((2, 3, 32, 32), (16, 3, 7, 7), dict(stride=2, padding=3)),
+    # batch 32: the weight gradient's convolution is reduction-bound (TF32: nhwc_tma, 16 splits)
+    ((32, 32, 16, 16), (32, 32, 3, 3), dict(padding=1)),
 ]
-IDS = ["dense", "stride2", "1x1", "depthwise", "grouped", "same-dil2", "stem"]
+IDS = ["dense", "stride2", "1x1", "depthwise", "grouped", "same-dil2", "stem", "batch32"]
 CELLS = {"fp32": (torch.float32, False), "tf32": (torch.float32, True), "bf16-cl": (torch.bfloat16, None)}
 
 
