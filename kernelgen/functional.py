@@ -122,6 +122,8 @@ def _key(v: Any) -> Any:
     anything else (a tensor as a stride), which sends the call down the full path unplanned."""
     if v.__class__ is int or v.__class__ is str:
         return v
+    if v.__class__ is tuple and len(v) == 2 and v[0].__class__ is int and v[1].__class__ is int:
+        return v  # (a module's stride, padding or dilation: the common case, without recursion)
     if isinstance(v, (list, tuple)):
         return tuple(_key(e) for e in v)
     if isinstance(v, Mapping):
@@ -218,7 +220,7 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if activation is not None or residual is not None or scale is not None:
         return _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles,
                                 activation, negative_slope, residual, scale)
-    if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias)):
+    if _any_neg(input, weight, bias):
         input, weight, bias = _resolve_neg(input, weight, bias)
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles)
     plan = None if sig is None else _plans.get(sig)
@@ -273,7 +275,7 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
             alpha = slope_bits(negative_slope)  # (explains a bad one, on every call: it is not in the signature)
             if negative_slope.__class__ is float and len(_slopes) < 64:
                 _slopes[negative_slope] = alpha
-    if any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias, residual)):
+    if _any_neg(input, weight, bias) or (residual is not None and _any_neg(residual)):
         input, weight, bias, residual = _resolve_neg(input, weight, bias, residual)
     if isinstance(scale, torch.Tensor) and scale.is_neg():
         scale = scale.resolve_neg()
@@ -296,6 +298,15 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
         return _autograd().apply(plan, (stride, padding, dilation, groups, precision, family, tiles, activation,
                                         negative_slope), input, weight, bias, residual, alpha, scale)
     return _run(plan, input, weight, bias, residual=residual, alpha=alpha, scale=scale)
+
+
+def _any_neg(input, weight=None, bias=None) -> bool:
+    """Whether any of the tensors has its negative bit set (non-tensors: no), as cheaply as a
+    warm call can ask: plain tensors answer directly, the rest one by one."""
+    try:
+        return input.is_neg() or (weight is not None and weight.is_neg()) or (bias is not None and bias.is_neg())
+    except (AttributeError, TypeError):  # (not tensors: the checks explain them)
+        return any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias))
 
 
 def _resolve_neg(*tensors):
