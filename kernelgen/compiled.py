@@ -273,13 +273,17 @@ def route(input, weight, bias, stride, padding, dilation, groups, precision: str
                 negative_slope, residual, scale)
 
 
-@torch.compiler.assume_constant_result
 def _onnx_exporting() -> bool:
     """Whether torch.onnx.export (either exporter) is capturing the model. A constant of the whole
     capture to Dynamo (the dynamo exporter captures with torch.export). torch.onnx not imported
     means no export, and importing it would cost a process ~50 ms."""
     onnx = sys.modules.get("torch.onnx")
     return onnx is not None and onnx.is_in_onnx_export()
+
+
+# What torch.compiler.assume_constant_result does, without its `import torch._dynamo`, which costs
+# an `import kernelgen` a second (tests/test_compiled.py checks the mark is still Dynamo's).
+_onnx_exporting._dynamo_marked_constant = True
 
 
 def _vmap(info, in_dims, input, weight, bias, *params):

@@ -167,3 +167,25 @@ def test_a_compiled_graphs_backward_runs_kernelgens_gradients(bias):
     assert y.requires_grad
     y.sum().backward()
     assert m[0].weight.grad is not None and (m[0].bias is None or m[0].bias.grad is not None)
+
+
+def test_import_kernelgen_leaves_dynamo_unimported():
+    # torch._dynamo costs an import a second; kernelgen marks its one constant without it
+    code = ("import sys, torch, kernelgen, kernelgen.functional, kernelgen.compiled\n"
+            "assert 'torch._dynamo' not in sys.modules, 'import kernelgen imported torch._dynamo'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_onnx_constant_carries_dynamos_own_mark():
+    # (what torch.compiler.assume_constant_result sets, read from Dynamo itself)
+    from torch._dynamo.decorators import assume_constant_result
+
+    from kernelgen import compiled
+
+    def probe():
+        return False
+
+    marks = set(vars(assume_constant_result(probe)))
+    assert marks and all(getattr(compiled._onnx_exporting, m, None) == getattr(probe, m) for m in marks)
