@@ -234,11 +234,8 @@ def _kg_conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torc
         input, padding = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode), 0
     if _calls is not None:  # the subclass may pass a weight of its own making: record what is convolved
         _calls[self] = _call(self, input, weight, bias, padding)
-    scale = self._buffers.get(BN_SCALE)
-    if scale is not None:
-        return conv2d(input, weight, bias, self.stride, padding, self.dilation, self.groups, precision=self.precision,
-                      scale=scale)
-    return conv2d(input, weight, bias, self.stride, padding, self.dilation, self.groups, precision=self.precision)
+    return conv2d(input, weight, bias, self.stride, padding, self.dilation, self.groups, precision=self.precision,
+                  scale=self._buffers.get(BN_SCALE))  # (a folded BatchNorm's, 16-bit; None: a plain call)
 
 
 def _swap(m: nn.Module, target: type) -> None:

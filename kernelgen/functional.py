@@ -275,10 +275,8 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
             alpha = slope_bits(negative_slope)  # (explains a bad one, on every call: it is not in the signature)
             if negative_slope.__class__ is float and len(_slopes) < 64:
                 _slopes[negative_slope] = alpha
-    if _any_neg(input, weight, bias) or (residual is not None and _any_neg(residual)):
-        input, weight, bias, residual = _resolve_neg(input, weight, bias, residual)
-    if isinstance(scale, torch.Tensor) and scale.is_neg():
-        scale = scale.resolve_neg()
+    if _any_neg(input, weight, bias, residual, scale):
+        input, weight, bias, residual, scale = _resolve_neg(input, weight, bias, residual, scale)
     sig = signature(input, weight, bias, stride, padding, dilation, groups, precision, family, tiles, activation,
                     residual, scale)
     plan = None if sig is None else _plans.get(sig)
@@ -300,13 +298,16 @@ def _conv2d_epilogue(input, weight, bias, stride, padding, dilation, groups, pre
     return _run(plan, input, weight, bias, residual=residual, alpha=alpha, scale=scale)
 
 
-def _any_neg(input, weight=None, bias=None) -> bool:
-    """Whether any of the tensors has its negative bit set (non-tensors: no), as cheaply as a
-    warm call can ask: plain tensors answer directly, the rest one by one."""
+def _any_neg(*tensors) -> bool:
+    """Whether any of the tensors (None: absent) has its negative bit set (non-tensors: no), as
+    cheaply as a warm call can ask: a plain loop, the checks of non-tensors only where one raises."""
     try:
-        return input.is_neg() or (weight is not None and weight.is_neg()) or (bias is not None and bias.is_neg())
+        for t in tensors:
+            if t is not None and t.is_neg():
+                return True
+        return False
     except (AttributeError, TypeError):  # (not tensors: the checks explain them)
-        return any(isinstance(t, torch.Tensor) and t.is_neg() for t in (input, weight, bias))
+        return any(isinstance(t, torch.Tensor) and t.is_neg() for t in tensors)
 
 
 def _resolve_neg(*tensors):

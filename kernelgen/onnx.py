@@ -46,11 +46,8 @@ def _aten_epilogue(input, weight, bias, stride, padding, padding_mode, dilation,
                    activation, negative_slope, residual, scale=None):
     """kernelgen::conv2d_epilogue as F.conv2d, then the scale and bias (where there is a scale), the
     residual add and the activation."""
-    if scale is None:
-        return compiled.epilogue(_aten(input, weight, bias, stride, padding, padding_mode, dilation, groups),
-                                 activation, negative_slope, residual)
-    return compiled.epilogue(_aten(input, weight, None, stride, padding, padding_mode, dilation, groups),
-                             activation, negative_slope, residual, scale, bias)
+    y = _aten(input, weight, bias if scale is None else None, stride, padding, padding_mode, dilation, groups)
+    return compiled.epilogue(y, activation, negative_slope, residual, scale, bias)  # (bias: read with a scale only)
 
 
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

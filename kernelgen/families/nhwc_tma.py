@@ -304,12 +304,14 @@ class NhwcTmaFamily(Family):
             return ((2, 6), (2, 5), (2, 4), (2, 3), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2))
 
         tiles = -(-problem.N * problem.P * problem.Q // 128) * -(-spec.out_channels // bco)
-        deep = deep_splits(spec, tiles, device.sms) if fixed.get("persist", 0) == 0 else 1
-        if deep > 1:
-            walks = [{"splits": deep, **walk} for walk in walks]
-        elif (bco > 64 and not tf32_cl and tiles < device.sms // 2 and k_tiles(spec) >= SPLIT_MIN_K_TILES
-                and k_tiles(spec) % 2 == 0 and fixed.get("persist", 0) == 0):
-            walks = [{"splits": 2, **walk} for walk in walks]
+        splits = 1
+        if fixed.get("persist", 0) == 0:  # (a split reduction runs one block a tile)
+            splits = deep_splits(spec, tiles, device.sms)
+            if (splits == 1 and bco > 64 and not tf32_cl and tiles < device.sms // 2
+                    and k_tiles(spec) >= SPLIT_MIN_K_TILES and k_tiles(spec) % 2 == 0):
+                splits = 2
+        if splits > 1:
+            walks = [{"splits": splits, **walk} for walk in walks]
         bases = [{**base, **walk, **fixed} for walk in walks]
         if bases[0].get("splits", 1) > 1:  # a split reduction runs one block a tile, a k-tile a slot
             bases = [{**b, "persist": 0, "halo": 0, "wres": 0, "pipes": 1, **fixed} for b in bases]
