@@ -28,8 +28,8 @@
 # `tests-2gpu` runs the data-parallel training tests (DDP and FSDP2 over NCCL, tests/test_distributed.py)
 # alone, on a kind with two GPUs (nvidia-h100-x2); elsewhere they skip.
 #
-# The kernel cache lives in .kgcache/ (git-ignored), so a second stage on the same
-# machine reuses what the first compiled.
+# The kernel cache lives in .kgcache/ (git-ignored), so a second stage or call on the same
+# machine reuses what the first compiled, the GPU tier's kernels included.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 stages=" ${*:-tests examples bench layers ceiling machinery} "
@@ -40,6 +40,9 @@ export PYTHONUNBUFFERED=1
 # The GPU host has torch but no kernelgen install: use this checkout (what `pip install -e .` gives).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-$PWD/.kgcache}
+# The GPU tier keeps its kernels there too (tests/conftest.py), so a later call on a warm machine
+# compiles only what an edit changed.
+export KERNELGEN_TEST_CACHE=${KERNELGEN_TEST_CACHE:-$KERNELGEN_CACHE_DIR}
 export KERNELGEN_JOBS=${KERNELGEN_JOBS:-$(nproc)}
 mkdir -p "$KERNELGEN_CACHE_DIR" && chmod 700 "$KERNELGEN_CACHE_DIR"
 status=0
