@@ -96,12 +96,7 @@ class PointwiseTmaFamily(Family):
         self.check_tiles(spec, dict(spec.tiles), device)
 
     def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int], device: "Device") -> None:
-        lay = self.layout(spec, tiles)
-        if tiles.get("wres", 0) and spec.out_channels > lay["BCO"]:
-            raise Unsupported(f"pointwise_tma: resident weights (wres) hold one block of output channels "
-                              f"({lay['BCO']}), the layer has {spec.out_channels}")
-        if lay["SMEM_BYTES"] + lay["STATIC"] > device.smem_block:
-            raise Unsupported(f"pointwise_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {device.smem_block}")
+        # (first: a split that cannot be is the reason, whatever the ring)
         splits = tiles.get("splits", 1)
         if splits > 1:
             if tiles.get("wres", 0):
@@ -111,6 +106,12 @@ class PointwiseTmaFamily(Family):
             if split_k_tiles(kt, splits) * (splits - 1) >= kt:
                 raise Unsupported(f"pointwise_tma: {kt} k-tiles cannot be split {splits} ways ({split_k_tiles(kt, splits)}"
                                   " a split would leave the last one none)")
+        lay = self.layout(spec, tiles)
+        if tiles.get("wres", 0) and spec.out_channels > lay["BCO"]:
+            raise Unsupported(f"pointwise_tma: resident weights (wres) hold one block of output channels "
+                              f"({lay['BCO']}), the layer has {spec.out_channels}")
+        if lay["SMEM_BYTES"] + lay["STATIC"] > device.smem_block:
+            raise Unsupported(f"pointwise_tma: {lay['SMEM_BYTES']} bytes of shared memory exceed {device.smem_block}")
         blocks = tiles.get("min_blocks", 1)
         if lay["REGS"] > reg_cap(lay["NTH"], blocks):
             raise Unsupported(f"pointwise_tma: {blocks} blocks of {lay['NTH']} threads of ~{lay['REGS']} registers "
