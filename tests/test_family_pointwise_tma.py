@@ -6,12 +6,15 @@ on planes the TMA can address, on sm_90a) and which it cannot (strides, padding,
 planes of part 16-byte chunks, targets before Hopper, channels_last), that its refusals name the
 reason, that default and forced tiles fit and agree with the template's layout, and (with nvcc)
 that every dtype lowers to wgmma with A from registers fed by tiled TMA copies through
-mbarriers, with no spills. Which family the selector picks for a call is measured, not asserted
-here.
+mbarriers, with no spills. Split reductions: their legal values and refusals, which layers the
+family splits (batch-1 layers on 14 x 14 planes, on the SMs the Problem's GPU reports) and which
+it keeps whole, their workspace, and (with nvcc) that split kernels and their final pass compile
+without spills. Which family the selector picks for a call is measured, not asserted here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -21,6 +24,8 @@ from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError
 from kernelgen.families import get_family
 from kernelgen.families.nhwc_tma import reg_cap
+from kernelgen.families.pointwise_tma import SPLIT_MIN_A_SPLIT, SPLITS, split_choice
+from kernelgen.render import render
 from kernelgen.spec import ConvSpec, Problem
 from lowering import NVCC, lower
 
@@ -259,3 +264,183 @@ def test_strided_nchw_1x1_layers_run_on_their_sampled_view():
             spec_for(x, torch.empty(512, 256, 3, 3, device="meta"), None, stride=2, device="cuda")]
     for spec, call in kept:
         assert spec.stride == (2, 2) and call.sample is None
+
+
+# ---- split reductions -----------------------------------------------------------------------------
+
+# The batch-1 NCHW 1x1 layers of ResNet-50 and RegNetY-1.6GF on 14 x 14 planes (float32: 784-byte
+# planes, which the TMA addresses), with their k-tiles and 128 x 128 tiles (two pixel blocks of a
+# 196-pixel plane x output-channel blocks). The census's c0231 is one more of the same shape.
+NET_14 = {
+    "resnet50.layer3.conv1": ((1, 1024, 14, 14), (256, 1024, 1, 1)),
+    "resnet50.layer3.conv3": ((1, 256, 14, 14), (1024, 256, 1, 1)),
+    "resnet50.layer4.0.conv1": ((1, 1024, 14, 14), (512, 1024, 1, 1)),
+    "resnet50.layer3.0.downsample (sampled)": ((1, 512, 14, 14), (1024, 512, 1, 1)),
+    "regnet_y_1_6gf.trunk_output.block3.f.a": ((1, 336, 14, 14), (336, 336, 1, 1)),
+    "regnet_y_1_6gf.trunk_output.block4.0.f.a": ((1, 336, 14, 14), (888, 336, 1, 1)),
+    "census c0231.pw": ((1, 768, 14, 14), (1536, 768, 1, 1)),
+}
+# The same networks' 7 x 7 1x1 layers: a 49-pixel plane is 196 float32 bytes (98 in 16 bits), not
+# whole 16-byte chunks, so the TMA cannot address it and this family never serves them (they plan
+# to nhwc_tma, whose NCHW path transposes the input and already splits).
+NET_7 = {
+    "resnet50.layer4.conv1": ((1, 2048, 7, 7), (512, 2048, 1, 1)),
+    "resnet50.layer4.conv3": ((1, 512, 7, 7), (2048, 512, 1, 1)),
+    "regnet_y_1_6gf.trunk_output.block4.f.a": ((1, 888, 7, 7), (888, 888, 1, 1)),
+}
+
+
+def _k_tiles(spec) -> int:
+    return -(-spec.in_channels * (4 if spec.dtype == "float32" else 2) // 128)
+
+
+@pytest.mark.parametrize("name", sorted(NET_14))
+@pytest.mark.parametrize("wide", [False, True], ids=["h100", "h200"])
+def test_batch_1_layers_on_14x14_planes_split_their_reduction(name, wide):
+    x, w = NET_14[name]
+    spec = _choose(x, w, wide_dram=wide)
+    t, sms = dict(spec.tiles), nominal("sm_90a", wide_dram=wide).sms
+    tiles = -(-x[2] * x[3] // t["block_p"]) * -(-w[0] // t["block_co"])
+    assert t["splits"] > 1 and t["wres"] == 0, spec.summary()
+    # within one block an SM, SPLIT_MIN_A_SPLIT k-tiles a split or more, no split empty
+    kt, kts = _k_tiles(spec), -(-_k_tiles(spec) // t["splits"])
+    assert tiles * t["splits"] <= sms and kt >= SPLIT_MIN_A_SPLIT * t["splits"] and kts * (t["splits"] - 1) < kt
+    FAM.check(spec, nominal("sm_90a", wide_dram=wide))
+
+
+def test_the_split_counts_of_the_network_layers():
+    """The rule's arithmetic on an H100's 132 SMs (docs/selection.md, pointwise_tma)."""
+    got = {name: dict(_choose(*NET_14[name]).tiles)["splits"] for name in NET_14}
+    assert got == {"resnet50.layer3.conv1": 8,  # 4 tiles, 32 k-tiles: 8 a split x 4 would exceed 4 a split
+                   "resnet50.layer3.conv3": 2,  # 16 tiles, 8 k-tiles: 4 a split
+                   "resnet50.layer4.0.conv1": 8,  # 8 tiles, 32 k-tiles
+                   "resnet50.layer3.0.downsample (sampled)": 4,  # 16 tiles, 16 k-tiles
+                   "regnet_y_1_6gf.trunk_output.block3.f.a": 2,  # 6 tiles, 11 k-tiles: 6 + 5
+                   "regnet_y_1_6gf.trunk_output.block4.0.f.a": 2,  # 14 tiles, 11 k-tiles
+                   "census c0231.pw": 5}  # 24 tiles, 24 k-tiles: 5 x 24 = 120 blocks, 5 + 5 + 5 + 5 + 4
+
+
+@pytest.mark.parametrize("name", sorted(NET_7))
+def test_7x7_planes_are_not_this_familys(name):
+    for dtype in ("float32", "bfloat16"):
+        with pytest.raises(ConvArgumentError, match="16-byte chunks"):
+            _choose(*NET_7[name], dtype=dtype)
+
+
+@pytest.mark.parametrize("layer", [L1, L2, WIDE, C87, dict(x=(32, 1024, 14, 14), w=(512, 1024, 1, 1)),
+                                   dict(x=(9, 1024, 14, 14), w=(512, 1024, 1, 1))])  # 72 tiles: over half of 132
+def test_layers_of_many_tiles_keep_one_split(layer):
+    for dtype in ("float32", "bfloat16"):
+        if layer["x"][2] * layer["x"][3] * (4 if dtype == "float32" else 2) % 16 == 0:  # (planes it serves)
+            assert dict(_choose(**layer, dtype=dtype).tiles)["splits"] == 1
+
+
+def test_the_split_rule_starts_under_half_the_sms():
+    assert dict(_choose((8, 1024, 14, 14), (512, 1024, 1, 1)).tiles)["splits"] == 2  # 64 tiles: two of 16 k-tiles
+    assert dict(_choose((9, 1024, 14, 14), (512, 1024, 1, 1)).tiles)["splits"] == 1  # 72
+
+
+def test_short_reductions_keep_one_split():
+    # 4 tiles but 4 float32 k-tiles (128 channels): under nhwc_tma's 8, too short to split
+    assert dict(_choose((1, 128, 14, 14), (256, 128, 1, 1)).tiles)["splits"] == 1
+    assert dict(_choose((1, 256, 14, 14), (256, 256, 1, 1)).tiles)["splits"] == 2  # 8 k-tiles: two of 4
+
+
+def test_splits_follow_the_gpus_sms():
+    """split_choice reads the SMs off the Problem's GPU: fewer SMs, fewer splits (and none where
+    the layer's tiles are half of them)."""
+    x, w = NET_14["resnet50.layer4.0.conv1"]  # 8 tiles, 32 k-tiles
+    params = dict(in_channels=x[1], out_channels=w[0], kernel_size=1, stride=1, padding=0, dilation=1, groups=1,
+                  dtype="float32", bias=False)
+    for sms, splits in ((132, 8), (40, 5), (24, 3), (16, 1)):
+        gpu = dataclasses.replace(nominal("sm_90a"), sms=sms)
+        spec = select.choose(params, "cuda", Problem(1, 14, 14, 14, 14, device=gpu), False, "tf32",
+                             family="pointwise_tma")
+        assert dict(spec.tiles)["splits"] == splits, sms
+    spec = ConvSpec(**params, device="cuda", layout="nchw", math="tf32", family="pointwise_tma")
+    assert split_choice(spec, tiles=8, sms=132) == 8 and split_choice(spec, tiles=66, sms=132) == 1
+
+
+def test_split_values_and_refusals():
+    x, w = NET_14["resnet50.layer4.0.conv1"]  # 32 k-tiles
+    for splits in SPLITS:  # legal where ceil(32 / splits) a split leaves the last split a k-tile or more
+        if -(-32 // splits) * (splits - 1) < 32:
+            t = dict(_choose(x, w, tiles={"splits": splits}).tiles)
+            assert t["splits"] == splits and t["wres"] == 0
+        else:  # (10 and 12: 4 and 3 a split)
+            with pytest.raises(ConvArgumentError, match=f"cannot be split {splits} ways"):
+                _choose(x, w, tiles={"splits": splits})
+    with pytest.raises(ConvArgumentError, match="not allowed"):
+        _choose(x, w, tiles={"splits": 32})  # (a legal split of 32 k-tiles, not a value of SPLITS)
+    with pytest.raises(ConvArgumentError, match="resident weights|wres"):
+        _choose((1, 256, 14, 14), (64, 256, 1, 1), tiles={"splits": 2, "wres": 1})
+    # 9 k-tiles (288 channels) in 4: 3 a split would leave the last none
+    with pytest.raises(ConvArgumentError, match="cannot be split 4 ways"):
+        _choose((1, 288, 14, 14), (256, 288, 1, 1), tiles={"splits": 4})
+    assert dict(_choose((1, 288, 14, 14), (256, 288, 1, 1), tiles={"splits": 3}).tiles)["splits"] == 3
+    assert dict(_choose((1, 288, 14, 14), (256, 288, 1, 1), tiles={"splits": 5}).tiles)["splits"] == 5  # 2,2,2,2,1
+    with pytest.raises(ConvArgumentError, match="cannot be split"):  # one k-tile
+        _choose((2, 16, 12, 12), (80, 16, 1, 1), tiles={"splits": 2})
+    # forced resident weights choose no split
+    assert dict(_choose((1, 1024, 14, 14), (64, 1024, 1, 1), tiles={"wres": 0}).tiles)["splits"] > 1
+    with pytest.raises(ConvArgumentError):  # (32 k-tiles x 64 outputs: 256 KB, which never stays resident)
+        _choose((1, 1024, 14, 14), (64, 1024, 1, 1), tiles={"wres": 1})
+    assert dict(_choose((1, 256, 14, 14), (64, 256, 1, 1), tiles={"wres": 1}).tiles)["splits"] == 1
+
+
+def test_split_workspace_holds_each_splits_float32_sums():
+    x, w = NET_14["resnet50.layer4.0.conv1"]
+    for splits in (1, 2, 8):
+        for dtype in ("float32", "bfloat16"):
+            spec = _choose(x, w, dtype="float32", tiles={"splits": splits}) if dtype == "float32" else \
+                spec_with(_choose(x, w, tiles={"splits": splits}), dtype)
+            ctx = spec.template_context()
+            assert (ctx["WORKSPACE_BYTES"], ctx["WORKSPACE_PER_INPUT"]) == (0, 0)
+            assert ctx["WORKSPACE_PER_OUTPUT"] == (4 * splits if splits > 1 else 0)
+            assert f'"KG_WORKSPACE_PER_OUTPUT", {ctx["WORKSPACE_PER_OUTPUT"]})' in render(spec).cpp
+    # kernels.workspace_bytes for a loaded module of 8 splits: 32 bytes an output element
+    from kernelgen import kernels
+
+    spec = _choose(x, w)
+    module = type("M", (), {"KG_WORKSPACE_PER_OUTPUT": spec.template_context()["WORKSPACE_PER_OUTPUT"]})
+    kernels._workspace["test-key"] = kernels._workspace_of(module)
+    try:
+        assert kernels.workspace_bytes("test-key", 1024 * 196, 512 * 196) == 8 * 4 * 512 * 196
+    finally:
+        kernels._workspace.pop("test-key")
+
+
+def spec_with(spec, dtype):
+    """`spec` in another dtype, its tiles kept (16-bit math is exact: 'ieee')."""
+    return dataclasses.replace(spec, dtype=dtype, math="ieee")
+
+
+def test_an_unsplit_spec_renders_no_split_code():
+    cuda = render(_choose(**L2)).cuda
+    assert "SPLITS" not in cuda and "kg_pw_reduce" not in cuda and "part" not in cuda.split("struct Params")[1][:600]
+    split = render(_choose(*NET_14["resnet50.layer4.0.conv1"])).cuda
+    assert "constexpr int SPLITS = 8;" in split and "kg_pw_reduce<<<" in split and "dim3((unsigned)grid, SPLITS)" in split
+
+
+@pytest.mark.nvcc
+@pytest.mark.compile
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("name,dtype,bias,epilogue,tiles", [
+    ("resnet50.layer4.0.conv1", "float32", False, {}, None),  # 8 splits of 4 k-tiles
+    ("regnet_y_1_6gf.trunk_output.block3.f.a", "float32", True,
+     dict(activation="relu", residual=True, scale=True), None),  # 6 + 5 k-tiles, every epilogue term
+    ("resnet50.layer4.0.conv1", "bfloat16", True, dict(activation="silu", scale=True), {"splits": 3}),  # 6,6,4
+    ("census c0231.pw", "float16", False, dict(activation="gelu", residual=True), {"splits": 4, "block_co": 64}),
+])
+def test_split_kernels_compile_without_spills(name, dtype, bias, epilogue, tiles, tmp_path):
+    x, w = NET_14[name]
+    x = (x[0], x[1], 16, 16) if dtype != "float32" else x  # (16-bit planes of 196 pixels are not whole chunks)
+    spec = _choose(x, w, dtype=dtype, bias=bias, tiles=tiles)
+    spec = dataclasses.replace(spec, **epilogue)
+    FAM.check(spec, nominal("sm_90a"))
+    assert dict(spec.tiles)["splits"] > 1
+    text, report = lower(spec, tmp_path)
+    assert "wgmma.mma_async" in text and ".entry _ZN2kg12kg_pw_reduce" in text
+    # the main kernel, the weight repack and the final pass
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 3, report
+    assert "serialized" not in report, report

@@ -838,7 +838,45 @@ def make_pointwise_tma_cases() -> list[Case]:
         (1, 256, 64, True, "float16", None, "contiguous", 1, 8, {}),
     ]
     return [Case(6870 + i, n, c, k, 1, (1, 1), (1, 1), 0, (1, 1), b, dt, prec, lay, h, w, "pointwise_tma",
-                 tuple(sorted(t.items()))) for i, (n, c, k, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+                 tuple(sorted(t.items()))) for i, (n, c, k, b, dt, prec, lay, h, w, t) in enumerate(rows)] + \
+        make_pointwise_tma_split_cases()
+
+
+def make_pointwise_tma_split_cases() -> list[Case]:
+    """`pointwise_tma`'s split reductions (float32 partial sums in the workspace, a final pass that
+    adds them in split order and applies the epilogue): the default splits of ResNet-50's and
+    RegNetY's batch-1 layers on 14 x 14 planes, forced splits of even, odd and one k-tile, a last
+    split shorter than the others (ragged), input channels short of the last k-tile, output channels
+    past the last whole block, a plane's partial last pixel tile, batch 1, 2 and unbatched, offset
+    and strided views, blocks that walk several tiles of their split, a two-slot ring that wraps;
+    then each epilogue term (scale, bias, residual in each form, activations) on split calls, in
+    TF32, bf16 and fp16. (7 x 7 planes are not whole 16-byte chunks: the family never serves them.)"""
+    rows = [  # N, C, K, bias, dtype, precision, layout, H, W, tiles
+        (1, 1024, 512, False, "float32", "tf32", "contiguous", 14, 14, {}),  # 8 splits of 4 k-tiles
+        (1, 336, 336, True, "float32", "tf32", "contiguous", 14, 14, {}),  # 11 k-tiles: 6 + 5
+        (2, 288, 200, True, "float32", "tf32", "contiguous", 14, 14, {"splits": 3}),  # 9: 3 + 3 + 3
+        (1, 300, 256, False, "float32", "tf32", "offset", 14, 14, {"splits": 5}),  # 10 (the last part): 2 each
+        (1, 1024, 256, True, "bfloat16", None, "contiguous", 16, 16, {"splits": 8}),  # 16 k-tiles
+        (2, 720, 160, False, "float16", None, "contiguous", 12, 12, {"splits": 4}),  # 12 (the last part): 3 each
+        (1, 512, 1024, True, "bfloat16", None, "contiguous", 14, 16, {"splits": 3, "block_co": 64}),  # 3 + 3 + 2
+        (0, 256, 64, True, "float32", "tf32", "contiguous", 14, 14, {"splits": 2}),  # unbatched; weights not resident
+        (1, 768, 1536, False, "float32", "tf32", "contiguous", 14, 14, {}),  # 24 k-tiles: 5 + 5 + 5 + 5 + 4
+        (2, 512, 128, True, "float32", "tf32", "strided_view", 14, 14, {"splits": 16}),  # one k-tile a split
+        (2, 256, 512, True, "float32", "tf32", "contiguous", 64, 64, {"splits": 4}),  # 256 tiles: blocks walk
+        (1, 1024, 256, False, "float32", "tf32", "contiguous", 14, 14, {"splits": 2, "stages": 2}),  # ring wraps
+        (2, 640, 96, True, "float16", None, "offset", 14, 16, {"splits": 4}),  # 10 k-tiles: 3 + 3 + 3 + 1
+    ]
+    plain = [Case(6940 + i, n, c, k, 1, (1, 1), (1, 1), 0, (1, 1), b, dt, prec, lay, h, w, "pointwise_tma",
+                  tuple(sorted(t.items()))) for i, (n, c, k, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+    # the epilogue in the final pass: the scale times the splits' sum, then the bias, the residual
+    # (the output's strides, the other memory format's, a strided view), the activation
+    fused = [replace(plain[j], idx=6960 + j, scale=scale, activation=act, residual=res)
+             for j, scale, act, res in ((0, True, "hardswish", None), (1, True, "relu", "out"),
+                                        (2, False, "leaky_relu", "view"), (4, True, "silu", None),
+                                        (5, False, "gelu", "other"), (6, True, "sigmoid", "out"),
+                                        (7, True, "relu6", None), (8, False, "hardsigmoid", "out"),
+                                        (12, True, None, "out"))]
+    return plain + fused
 
 
 def make_pointwise_tile_cases() -> list[Case]:
@@ -1768,6 +1806,11 @@ MEMCHECK = textwrap.dedent("""
                 conv(x, w, torch.randn(80, device="cuda", dtype=dtype), family="pointwise_tma")
             run("pointwise_tma", dtype, (3, 256, 6, 12), (136, 256, 1, 1), view=False,
                 tiles={{"wres": 0, "stages": 2}})
+            # split reductions: each split's partial sums at the workspace's end (9 float32 k-tiles in
+            # 3, 5 bf16 ones 2 + 2 + 1), a plane's partial last tile, output channels past the last
+            # block, the final pass's last quad of pixels; an offset view (copied first)
+            run("pointwise_tma", dtype, (3, 264, 6, 12), (136, 264, 1, 1), view=False, tiles={{"splits": 3}})
+            run("pointwise_tma", dtype, (1, 264, 8, 17), (72, 264, 1, 1), tiles={{"splits": 2}})
         if "depthwise_planes" in fams:
             # whole planes a block: runs that start past a 16-byte boundary (two planes of 49), an
             # input that ends inside a vector (735 elements: the last ones loaded one by one), a

@@ -16,7 +16,11 @@ TMA and writes each output element once.
 Tiles: `block_co` output channels a tile (wgmma's N); `block_p` pixels of one image's plane a
 tile, 64 a consumer warpgroup; `stages` ring slots; `min_blocks` blocks an SM the launch bounds
 ask for; `wres` the weights loaded once a block and kept in shared memory (one block of output
-channels). Blocks are persistent: a grid of those that fit the card, each walking tiles.
+channels); `splits` the reduction's k-tiles split between that many blocks a tile (blockIdx.y),
+each writing float32 partial sums to the workspace in the output's NCHW order, and a second
+kernel adding them up in split order and applying the epilogue (split_choice says when).
+Blocks are persistent: a grid of those that fit the card, each walking tiles (with splits, the
+grid's share of the card a split).
 
 It serves sm_90a, groups of one, 1x1 kernels at stride 1 without padding, TF32 and 16-bit, and
 (at launch) planes whose pixel count fills whole 16-byte chunks, which the TMA's strides need.
@@ -39,6 +43,29 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ConvSpec, Problem
 
 WRES_MAX = 64 * 1024  # resident weights up to this many bytes (the rest of shared memory is the ring)
+SPLITS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)  # the `splits` a tile's reduction may take
+# Split reductions (split_choice; derived, not measured: docs/selection.md, pointwise_tma): a layer
+# of fewer tiles than half the SMs whose reduction is SPLIT_MIN_K_TILES k-tiles or more (nhwc_tma's
+# threshold) splits it so that its blocks fill up to one an SM, SPLIT_MIN_A_SPLIT k-tiles a split
+# or more (the shortest split nhwc_tma measured paying: 8 k-tiles in two).
+SPLIT_MIN_K_TILES, SPLIT_MIN_A_SPLIT = 8, 4
+
+
+def split_k_tiles(kt: int, splits: int) -> int:
+    """k-tiles a split takes (the last may take fewer): split i takes KTS * i .. KTS * (i + 1) - 1."""
+    return -(-kt // splits)
+
+
+def split_choice(spec: "ConvSpec", tiles: int, sms: int) -> int:
+    """The splits of a layer of `tiles` output tiles on `sms` SMs: 1 where it has half the SMs of
+    tiles or more, or a reduction of fewer than SPLIT_MIN_K_TILES k-tiles; else the most of SPLITS
+    that keeps tiles x splits within the SMs (one block an SM: the default rings take all of its
+    shared memory) with SPLIT_MIN_A_SPLIT k-tiles a split on average and no split empty."""
+    kt = k_tiles(spec)
+    if 2 * tiles >= sms or kt < SPLIT_MIN_K_TILES:
+        return 1
+    return max(s for s in SPLITS if s * tiles <= sms and kt >= s * SPLIT_MIN_A_SPLIT
+               and split_k_tiles(kt, s) * (s - 1) < kt)
 
 
 def plane_fits(spec: "ConvSpec", pixels: int) -> bool:
@@ -69,6 +96,16 @@ class PointwiseTmaFamily(Family):
         self.check_tiles(spec, dict(spec.tiles), device)
 
     def check_tiles(self, spec: "ConvSpec", tiles: Mapping[str, int], device: "Device") -> None:
+        # (first: a split that cannot be is the reason, whatever the ring)
+        splits = tiles.get("splits", 1)
+        if splits > 1:
+            if tiles.get("wres", 0):
+                raise Unsupported("pointwise_tma: split reductions load the weights' box with each k-tile (wres=0): "
+                                  "resident weights would hold every split's k-tiles")
+            kt = k_tiles(spec)
+            if split_k_tiles(kt, splits) * (splits - 1) >= kt:
+                raise Unsupported(f"pointwise_tma: {kt} k-tiles cannot be split {splits} ways ({split_k_tiles(kt, splits)}"
+                                  " a split would leave the last one none)")
         lay = self.layout(spec, tiles)
         if tiles.get("wres", 0) and spec.out_channels > lay["BCO"]:
             raise Unsupported(f"pointwise_tma: resident weights (wres) hold one block of output channels "
@@ -86,17 +123,21 @@ class PointwiseTmaFamily(Family):
     def default_tiles(self, spec: "ConvSpec", problem: "Problem",
                       fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
         """64 output channels a tile where the layer has no more, else 128; 128 pixels (two consumer
-        warpgroups); the weights resident where they fit WRES_MAX and the layer has one block of
-        output channels; the deepest ring (up to 8) with one block an SM, or two blocks with three
-        slots or more."""
+        warpgroups); the reduction split (split_choice) where the layer has few tiles for the
+        GPU's SMs; the weights resident where they fit WRES_MAX, the layer has one block of
+        output channels and no split; the deepest ring (up to 8) with one block an SM, or two
+        blocks with three slots or more."""
         device = target(problem.device)
         if not plane_fits(spec, problem.H * problem.W):
             raise Unsupported(f"pointwise_tma: planes of {problem.H} x {problem.W} pixels are not whole 16-byte "
                               "chunks, which the TMA's strides need")
         fixed = dict(fixed or {})
         bco = fixed.get("block_co", 64 if spec.out_channels <= 64 else 128)
-        wres = int(spec.out_channels <= bco and k_tiles(spec) * bco * 128 <= WRES_MAX)
-        base = {"block_co": bco, "block_p": 128, "wres": wres, **fixed}
+        bp = fixed.get("block_p", 128)
+        tiles = problem.N * -(-problem.H * problem.W // bp) * -(-spec.out_channels // bco)
+        splits = fixed.get("splits", split_choice(spec, tiles, device.sms) if not fixed.get("wres", 0) else 1)
+        wres = int(splits == 1 and spec.out_channels <= bco and k_tiles(spec) * bco * 128 <= WRES_MAX)
+        base = {"block_co": bco, "block_p": bp, "wres": wres, "splits": splits, **fixed}
         depths = ((1, 8), (1, 7), (1, 6), (2, 4), (2, 3), (1, 5), (1, 4), (1, 3), (1, 2))
         return first_fit(lambda c: self.check_tiles(spec, c, device), [(base, depths)], fixed)
 
@@ -104,16 +145,19 @@ class PointwiseTmaFamily(Family):
         t = dict(spec.tiles)
         lay = self.layout(spec, t)
         wbytes = spec.out_channels * k_tiles(spec) * 128
+        splits = t.get("splits", 1)
         return {"BCO": lay["BCO"], "BP": lay["BP"], "STAGES": lay["STAGES"], "SMEM_BYTES": lay["SMEM_BYTES"],
                 "MIN_BLOCKS": t["min_blocks"],
-                "PACKED_BYTES": wbytes}  # the packed weights, kept with the weight
+                "PACKED_BYTES": wbytes,  # the packed weights, kept with the weight
+                # split reductions: each split's float32 partial sums of the whole output
+                "WORKSPACE_PER_OUTPUT": 4 * splits if splits > 1 else 0}
 
 
 pointwise_tma = PointwiseTmaFamily(
     name="pointwise_tma", device="cuda", template="cuda/pointwise_tma.cu.j2", layouts=("nchw",), archs=("sm_90a",),
     dtypes=("float32", "float16", "bfloat16"), tf32=True, aligned_input=True, engine="wgmma",
     epilogue=True, scale=True, tiles={"block_co": (128, 64, 256), "block_p": (128, 64, 192), "stages": (4, 2, 3, 5, 6, 7, 8),
-           "min_blocks": (1, 2), "wres": (0, 1)},
+           "min_blocks": (1, 2), "wres": (0, 1), "splits": SPLITS},
 )
 
 FAMILIES = (pointwise_tma,)
