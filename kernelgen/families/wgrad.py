@@ -12,7 +12,8 @@ reduction = (input channel, tap row, tap column). Both operands are read through
 strides (layout 'any'), with the lanes of a warp along whichever index of each operand lies
 closest in memory (the reduction's columns for NCHW tensors, the rows' batch or dY's channels for
 channels_last ones), decided per launch. Tensor cores (mma.sync) for TF32 and 16-bit, FFMA for
-strict float32, DFMA for float64. Fused epilogues are not served (a gradient has none).
+strict float32, DFMA for float64. The fused epilogue (scale, bias, residual, activation) is applied
+where the splits' sums are added, the one place the output is written.
 Whether it should run a call is the selector's to decide (costmodel.py, docs/selection.md).
 """
 
@@ -137,24 +138,31 @@ class WgradFamily(Family):
         return self._tiles(spec, problem, t["block_m"], t["block_n"]) * t["splits"]
 
     def work(self, spec: "ConvSpec", problem: "Problem") -> float:
-        """Flops its blocks spend: whole tiles (rows to block_m, the group's columns to block_n)
-        over whole k-steps, plus the staging, counted as flops of the same unit: every staged
-        element costs LOAD_ISSUE instruction slots of a thread (the offset, bounds and the load
-        and store), against an MMA's 2 x 16 x 8 x k flops a warp instruction (k = 8 TF32, 16
-        16-bit) or an FMA's 2 a thread."""
+        """Flops of the unit it multiplies on, issue slots included: whole tiles (rows to block_m,
+        the group's columns to block_n) over whole k-steps, plus what its threads issue besides
+        the products, converted to flops at the unit's rate per issue slot (a lane's share of the
+        SM's four warp instructions a clock: 16 TF32 flops on Hopper, 32 16-bit, 2 FMA flops):
+        LOAD_ISSUE slots for every staged element, and the shared loads feeding the MMA
+        fragments (or the FMAs' operands). docs/selection.md has the arithmetic."""
         t = dict(spec.tiles)
         bm, bn, splits = t["block_m"], t["block_n"], t["splits"]
         ks = -(-reduction(spec) // BK)
-        steps = -(-ks // splits) * splits  # k-steps every split's block walks, summed
+        steps = float(-(-ks // splits) * splits)  # k-steps every split's block walks, summed
         tiles = self._tiles(spec, problem, bm, bn)
         macs = 2.0 * tiles * bm * bn * steps * BK
-        staged = float(tiles) * steps * (bm + bn) * BK  # elements staged
+        device = target(problem.device)
+        unit = "fma" if not mma(spec) else "f16" if spec.dtype in ("float16", "bfloat16") else "tf32"
+        per_slot = device.peak_flops(unit) / (device.sms * device.clock_hz * 4 * 32)
+        slots = (bm + bn) * BK * LOAD_ISSUE  # a k-step's staging, a block's lane slots
+        lay = layout(spec, bm, bn)
         if mma(spec):
             k = 8 if spec.dtype == "float32" else 16
-            per_slot = 2 * 16 * 8 * k / 32  # flops a lane's issue slot of an MMA computes
+            mt, nt = bm // lay["WARPS_M"] // 16, bn // lay["WARPS_N"] // 8
+            slots += NTH * (BK // k) * (4 * mt + 2 * nt)  # fragment loads, every lane of every warp
         else:
-            per_slot = 2.0  # an FMA a lane
-        return macs + staged * LOAD_ISSUE * per_slot
+            rm = bm * bn // NTH // 4
+            slots += NTH * BK * (rm + 4)  # each k: rm + 4 operand loads a thread for its rm x 4 FMAs
+        return macs + tiles * steps * slots * per_slot
 
     def traffic(self, spec: "ConvSpec", problem: "Problem") -> float:
         """DRAM bytes: the input once and the weight once (the column tiles' re-reads of the input
@@ -175,10 +183,9 @@ class WgradFamily(Family):
         return float((x + w + y) * e + rereads + 2 * t["splits"] * y * _acc_bytes(spec))
 
 
-# Instruction slots a staged element takes from a thread: its k's offsets are shared by the
-# thread's elements of a k-step, so per element: the row's three shared loads, two adds, two
-# bounds tests, the global load, the select and the shared store (about 10), counted for both
-# operands alike.
+# Issue slots a staged element takes from its thread: its k's offsets are shared by the thread's
+# elements of a k-step, so per element the row's three shared loads, two adds, two bounds tests,
+# the global load, the select and the shared store: about 10 (the B operand's fewer, counted alike).
 LOAD_ISSUE = 10
 
 
@@ -186,7 +193,7 @@ wgrad = WgradFamily(
     name="wgrad", device="cuda", template="cuda/wgrad.cu.j2", layouts=("any",),
     dtypes=("float32", "float16", "bfloat16", "float64"),
     tiles={"block_m": (64, 128), "block_n": (64, 32, 16), "splits": SPLITS},
-    tf32=True, wide_weights=True, engine="mma",
+    tf32=True, wide_weights=True, engine="mma", epilogue=True, scale=True,
 )
 
 FAMILIES = (wgrad,)
