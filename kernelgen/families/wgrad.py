@@ -78,9 +78,6 @@ class WgradFamily(Family):
             raise Unsupported(f"wgrad: a {t['block_m']} x {t['block_n']} {spec.dtype} tile stages "
                               f"{lay['SMEM_BYTES']} bytes of shared memory; a block of {device.name} takes "
                               f"{device.smem_block}")
-        if 2 * lay["SMEM_BYTES"] > device.smem_sm:  # (__launch_bounds__(256, 2): two blocks an SM)
-            raise Unsupported(f"wgrad: two blocks of {lay['SMEM_BYTES']} bytes of shared memory do not fit an SM of "
-                              f"{device.name} ({device.smem_sm})")
 
     def context(self, spec: "ConvSpec") -> dict[str, object]:
         t = dict(spec.tiles)
