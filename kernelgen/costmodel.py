@@ -25,6 +25,11 @@ if TYPE_CHECKING:  # pragma: no cover
 # best at the copy's rate and computes at a fraction of the unit's peak (as measured on Hopper:
 # mma.sync near 60%, wgmma beyond; scalar loops far under the FMA peak).
 PRIORS = {"wgmma": (4e-6, 1.2, 1.4), "mma": (4e-6, 1.3, 1.8), "fma": (3e-6, 1.2, 2.0), "direct": (3e-6, 2.0, 8.0)}
+# A family's own priors, by its cost class, where its work counts issue slots besides the products
+# (so its math coefficient is an issue efficiency, not a fraction of the unit's peak). Derived from
+# the kernel's structure, not measured (docs/selection.md, "wgrad's cost, derived"): two launches,
+# element-wise loads of whole lines, two thirds of the issue rate.
+FAMILY_PRIORS = {("wgrad", "mma"): (7e-6, 1.3, 1.5), ("wgrad", "fma"): (7e-6, 1.3, 1.5)}
 
 
 def estimate(spec: "ConvSpec", problem: "Problem", model=None) -> float:
@@ -35,7 +40,9 @@ def estimate(spec: "ConvSpec", problem: "Problem", model=None) -> float:
     fam = get_family(spec.family)
     unit = fam.unit(spec)
     tbl = table.for_device(device) if model is None else None
-    launch, mem, math_ = (model or (tbl.model if tbl else {})).get(spec.family, PRIORS[fam.cost_class(spec)])
+    cls = fam.cost_class(spec)
+    prior = FAMILY_PRIORS.get((spec.family, cls), PRIORS[cls])
+    launch, mem, math_ = (model or (tbl.model if tbl else {})).get(spec.family, prior)
     if unit == "fma":
         rate = device.peak_flops("fma")
     else:

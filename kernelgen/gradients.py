@@ -34,7 +34,9 @@ pb after, input length H, output length P):
   padding after the input is trimmed to what the last tap reads ((P-1)*s + (k-1)*d + 1 rows in
   all), so the convolution computes exactly k taps and no cropped extras; this also absorbs
   'same''s asymmetric pad and rows no output reads. The reduction over N*P*Q is the kernel's
-  own accumulation (float32 for float16/bfloat16, float64 for float64).
+  own accumulation (float32 for float16/bfloat16, float64 for float64); where it is long and the
+  outputs few, the selector runs it on `wgrad`, which splits it between blocks and adds the
+  splits' sums in a fixed order (docs/families.md).
 - Bias gradient: a sum of grad_out over batch and pixels (torch.sum; float32 accumulation for
   float16/bfloat16, as the kernels accumulate).
 

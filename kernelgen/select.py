@@ -35,7 +35,7 @@ from .spec import ConvSpec, Problem
 
 # Every family, in a fixed order that only breaks ties: the same inputs always give the same choice.
 FAMILY_ORDER = ("depthwise_planes", "depthwise", "depthwise_nhwc", "grouped_nhwc", "grouped_mma", "stem_nhwc",
-                "pointwise_tma", "nhwc_tma", "nhwc", "wgmma", "pointwise_tile", "pointwise", "igemm", "gemv", "direct",
+                "pointwise_tma", "nhwc_tma", "nhwc", "wgmma", "pointwise_tile", "pointwise", "igemm", "wgrad", "gemv", "direct",
                 "cpu_direct")
 
 

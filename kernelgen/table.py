@@ -108,6 +108,11 @@ class Table:
         return found[:NEIGHBOURS]
 
     @functools.cached_property
+    def families(self) -> frozenset[str]:
+        """The families measured on any of the table's rows."""
+        return frozenset(f for row in self.rows for f in row.times)
+
+    @functools.cached_property
     def residuals(self) -> dict[int, dict[str, float]]:
         """id(row) -> family -> log(measured / the cost model's estimate)."""
         from . import costmodel
@@ -186,10 +191,17 @@ def scores(specs: "list[ConvSpec]", problem: "Problem", channels_last: bool, mat
                              s.kernel_size, s.stride, s.dilation))
     if not near:
         return None
-    out = {}
+    corrections = {}
     for spec in specs:
         pts = [(weight(d), tbl.residuals[id(row)][spec.family]) for d, row in near
                if spec.family in tbl.residuals[id(row)]]
-        correction = sum(w * r for w, r in pts) / sum(w for w, _ in pts) if pts else 0.0
-        out[id(spec)] = math.log(costmodel.estimate(spec, problem, tbl.model)) + correction
-    return out
+        corrections[id(spec)] = (sum(w * r for w, r in pts) / sum(w for w, _ in pts) if pts
+                                 else 0.0 if spec.family in tbl.families else None)
+    # A family the table never measured on any row (a new one) takes the largest of the measured
+    # families' corrections on this call: it is assumed to miss its estimate as badly as the worst
+    # of them here, so it is chosen only where it wins by more than the model's misses (no
+    # correction at all would favour it exactly where the others' misses are large).
+    known = [c for c in corrections.values() if c is not None]
+    unmeasured = max(known) if known else 0.0
+    return {id(spec): math.log(costmodel.estimate(spec, problem, tbl.model))
+            + (unmeasured if corrections[id(spec)] is None else corrections[id(spec)]) for spec in specs}

@@ -111,6 +111,7 @@ FAMILY_CALLS = {
     "pointwise_tma": (4, 64, 128, 32, 32, 1, 1, 0, 1, False, "float32", "tf32"),
     "pointwise_tile": (4, 64, 128, 32, 32, 1, 1, 0, 1, False, "float32", "tf32"),
     "stem_nhwc": (4, 3, 32, 64, 64, 3, 2, 1, 1, True, "float16", "ieee"),
+    "wgrad": (16, 16, 128, 64, 64, 62, 1, 0, 1, False, "bfloat16", "ieee"),  # (a lowered weight gradient)
     "cpu_direct": (2, 8, 12, 11, 13, 3, 2, 1, 2, False, "float32", "ieee"),
 }
 

@@ -879,6 +879,50 @@ def make_pointwise_tma_split_cases() -> list[Case]:
     return plain + fused
 
 
+def make_wgrad_cases() -> list[Case]:
+    """`wgrad` (a reduction split between blocks, partial sums added in a fixed order): the lowered
+    weight gradients weight_grad makes, from NCHW and channels_last x and dY (make_tensors'
+    'lowered', 'lowered_cl': batch and channels swapped, transposed views), strict float32, TF32,
+    bf16, fp16 and float64, one group, two and depthwise (one input and output channel a group),
+    the forward's stride as the dilation and its dilation as the stride, padding, a bias, rows
+    and columns past the last whole tile, odd sizes, splits forced past the k-steps' count (empty
+    splits) and the default splits of a long reduction; then ordinary calls (any view, an
+    epilogue-free forward) forced onto it."""
+    rows = [  # Cg, G*Nb, O, G, (P, Q), stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
+        (3, 4, 16, 1, (18, 18), (1, 1), 1, (1, 1), True, "float32", "ieee", "lowered", 18, 18, {"splits": 4}),
+        (3, 4, 16, 1, (18, 18), (1, 1), 1, (1, 1), False, "float32", "tf32", "lowered_cl", 18, 18, {}),
+        (5, 6, 24, 2, (9, 11), (2, 1), 0, (2, 2), True, "bfloat16", None, "lowered", 20, 22, {"splits": 3}),
+        (5, 6, 24, 2, (9, 11), (2, 1), 0, (2, 2), False, "float16", None, "lowered_cl", 20, 22, {"splits": 6}),
+        (1, 16, 8, 8, (15, 13), (1, 1), 1, (1, 1), True, "float32", "tf32", "lowered", 15, 13, {"splits": 2}),
+        (1, 16, 8, 8, (15, 13), (1, 1), 1, (1, 1), False, "bfloat16", None, "lowered_cl", 15, 13, {}),
+        (7, 3, 33, 1, (17, 23), (1, 2), (2, 1), (1, 1), True, "float64", None, "lowered", 20, 46, {"splits": 6}),
+        (7, 3, 33, 1, (17, 23), (1, 2), (2, 1), (1, 1), False, "float64", None, "lowered_cl", 20, 46, {}),
+        (70, 2, 130, 1, (7, 7), (1, 1), 1, (1, 1), True, "float32", "tf32", "lowered", 7, 7,
+         {"block_m": 128, "block_n": 64, "splits": 2}),
+        (70, 2, 130, 1, (7, 7), (1, 1), 1, (1, 1), False, "bfloat16", None, "lowered_cl", 7, 7,
+         {"block_m": 64, "block_n": 16, "splits": 1}),
+        # more splits than k-steps: empty splits write zeros that the final sum adds
+        (2, 2, 9, 1, (3, 5), (1, 1), 0, (1, 1), True, "float32", "ieee", "lowered", 4, 6, {"splits": 24}),
+        # long reductions with the default splits (24 and 48 ways on an H100)
+        (16, 8, 64, 1, (126, 126), (1, 1), 1, (1, 1), False, "float32", "tf32", "lowered", 126, 126, {}),
+        (16, 8, 64, 1, (126, 126), (1, 1), 1, (1, 1), True, "bfloat16", None, "lowered_cl", 126, 126, {}),
+        (3, 32, 48, 1, (60, 60), (1, 1), 0, (1, 1), False, "float32", "ieee", "lowered_cl", 60, 60, {}),
+        (4, 32, 32, 4, (40, 40), (1, 1), 1, (1, 1), True, "float16", None, "lowered", 40, 40, {}),
+    ]
+    out = [Case(6900 + i, n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
+           for i, (n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+    # ordinary calls: views, channels_last weights, offsets, unbatched
+    more = [  # N, C, K, groups, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
+        (2, 24, 40, 2, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "strided_view", 13, 17, {"splits": 2}),
+        (3, 16, 20, 1, (5, 3), (2, 1), (1, 0), (1, 2), False, "bfloat16", None, "cl_offset", 11, 9, {}),
+        (2, 8, 24, 1, (3, 3), (1, 1), 1, (1, 1), True, "float16", None, "weight_slice", 10, 10, {"block_n": 32}),
+        (0, 12, 18, 3, (3, 3), (1, 1), 1, (1, 1), True, "float64", None, "offset", 9, 8, {"splits": 3}),
+    ]
+    out += [Case(6930 + i, n, c, k, g, kern, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
+            for i, (n, c, k, g, kern, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(more)]
+    return out
+
+
 def make_pointwise_tile_cases() -> list[Case]:
     """`pointwise_tile` (1x1 NCHW TF32, one block a tile of 128 pixels and 128 output channels, or
     64 for layers of up to 64: K 40, 64 and 1 below): case 87's channels, input channels short of a
@@ -1185,9 +1229,27 @@ def make_weight_layout_cases(hopper: bool) -> list[Case]:
     return cases
 
 
+def _lowered_tensors(case: Case, g: torch.Generator, device: str):
+    """A weight gradient's own forward operands (gradients.weight_grad): the case is the lowered
+    convolution (batch Cg, C = G x the forward's batch Nb, K = O, the kernel dY's plane), its
+    input the forward's x (Nb, G*Cg, H, W) seen as (Cg, G*Nb, H, W), its weight dY (Nb, O, P, Q) seen
+    as (O, Nb, P, Q); NCHW ('lowered') or channels_last ('lowered_cl') x and dY."""
+    dt, G, Cg = DTYPES[case.dtype], case.groups, case.N
+    Nb = case.C // G
+    x = torch.randn(Nb, G * Cg, case.H, case.W, generator=g).to(device=device, dtype=dt)
+    dy = torch.randn(Nb, case.K, *case.kernel, generator=g).to(device=device, dtype=dt)
+    if case.layout == "lowered_cl":
+        x, dy = x.contiguous(memory_format=torch.channels_last), dy.contiguous(memory_format=torch.channels_last)
+    xs = x.unflatten(1, (G, Cg)).permute(2, 1, 0, 3, 4).reshape(Cg, G * Nb, case.H, case.W)
+    b = torch.randn(case.K, generator=g).to(device=device, dtype=dt) if case.bias else None
+    return xs, dy.transpose(0, 1), b
+
+
 def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
     g = torch.Generator().manual_seed(case.idx if seed is None else seed)
     dt = DTYPES[case.dtype]
+    if case.layout in ("lowered", "lowered_cl"):
+        return _lowered_tensors(case, g, device)
     shape = (case.C, case.H, case.W) if case.N == 0 else (case.N, case.C, case.H, case.W)
     if case.layout == "strided_view":
         big = torch.randn(*shape[:-1], case.W * 2, generator=g)
@@ -1381,7 +1443,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
          make_depthwise_planes_cases(24) + make_sampled_1x1_cases() + make_pointwise_tile_cases() +
          make_grouped_nhwc_cases(48) + make_groupwise_nchw_cases(24) + make_grouped_mma_cases(48) +
          make_stem_nhwc_cases(48) +
-         make_weight_layout_cases(HOPPER) + make_candidate_cases(48) + make_gemv_cases(64))
+         make_weight_layout_cases(HOPPER) + make_candidate_cases(48) + make_gemv_cases(64) + make_wgrad_cases())
 CASES += make_epilogue_cases(CASES)
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
@@ -1660,6 +1722,45 @@ def test_second_device():
     assert torch.cuda.current_device() == 0
 
 
+@pytest.mark.parametrize("dtype,channels_last", [(torch.float32, False), (torch.bfloat16, True),
+                                                 (torch.float16, False)])
+def test_weight_grad_through_wgrad_is_bit_identical(dtype, channels_last):
+    """A weight gradient the selector sends to `wgrad` (a reduction of 73,728 terms an output, split
+    between blocks) gives the same bits on every run, and in 16 bits an error against float64 no
+    worse than 1.5x torch's own weight gradient's (its splits' float32 sums are short ones)."""
+    from kernelgen import gradients
+    from kernelgen.functional import observe_meta_calls
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(8, 16, 96, 96, generator=g).to("cuda", dtype).contiguous(memory_format=fmt)
+    dy = torch.randn(8, 32, 96, 96, generator=g).to("cuda", dtype).contiguous(memory_format=fmt)
+    kw = dict(stride=1, padding=1, dilation=1, groups=1)
+    planned = []
+
+    def on_call(inp, w, b, st, pad, dil, grp, prec, family, tiles, **epi):
+        planned.append(spec_for(inp, w, b, st, pad, dil, grp, device="cuda", precision=prec)[0].family)
+
+    with observe_meta_calls(on_call):
+        gradients.weight_grad(dy.to("meta"), x.to("meta"), (32, 16, 3, 3), **kw, precision="tf32")
+    assert planned == ["wgrad"], planned
+    runs = [gradients.weight_grad(dy, x, (32, 16, 3, 3), **kw, precision="tf32") for _ in range(3)]
+    torch.cuda.synchronize()
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert all(torch.equal(r.view(bits), runs[0].view(bits)) for r in runs[1:])
+    xd, wd = x.double().requires_grad_(), torch.zeros(32, 16, 3, 3, dtype=torch.float64, device="cuda")
+    wd.requires_grad_()
+    torch.nn.functional.conv2d(xd, wd, None, **kw).backward(dy.double())
+    ref = wd.grad
+    err = rel_err(runs[0], ref)
+    if dtype == torch.float32:
+        assert err <= 1e-2  # TF32
+    else:
+        xt, wt = x.clone().requires_grad_(), torch.zeros(32, 16, 3, 3, dtype=dtype, device="cuda", requires_grad=True)
+        torch.nn.functional.conv2d(xt, wt, None, **kw).backward(dy)
+        assert err <= 1.5 * rel_err(wt.grad, ref), (err, rel_err(wt.grad, ref))
+
+
 MEMCHECK = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
@@ -1821,6 +1922,19 @@ MEMCHECK = textwrap.dedent("""
             run("depthwise_planes", dtype, (3, 5, 7, 8), (5, 1, 3, 3), groups=5, stride=2, padding=(1, 2))
             run("depthwise_planes", dtype, (2, 40, 16, 16), (40, 1, 5, 5), view=False, groups=40, padding=2,
                 tiles={{"planes": 64, "threads": 256}})
+        if "wgrad" in fams:
+            # a weight gradient's own operands (NCHW and channels_last x and dY, transposed views):
+            # rows, columns and k past the last whole tile, windows past every edge, empty splits
+            for fmt in (torch.contiguous_format, torch.channels_last):
+                xo = torch.randn(3, 10, 13, 11, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+                dy = torch.randn(3, 20, 7, 6, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+                xs = xo.unflatten(1, (2, 5)).permute(2, 1, 0, 3, 4).reshape(5, 6, 13, 11)
+                conv(xs, dy.transpose(0, 1), None, times=2, family="wgrad", stride=2, padding=1, groups=2,
+                     dilation=(2, 2), tiles={{"splits": 3}})
+                conv(xs, dy.transpose(0, 1), None, family="wgrad", stride=2, padding=1, groups=2,
+                     dilation=(2, 2), tiles={{"splits": 96, "block_m": 128}})
+            run("wgrad", dtype, (2, 12, 9, 10), (20, 4, 3, 3), groups=3, padding=(1, 2), tiles={{"block_n": 16}})
+            run_cl(dtype, (2, 16, 9, 10), (40, 16, 3, 3), 1, family="wgrad", padding=1, tiles={{"splits": 2}})
         if "depthwise" in fams:
             run("depthwise", dtype, (2, 8, 19, 24), (16, 1, 3, 3), groups=8, padding=1)
             run("depthwise", dtype, (2, 8, 19, 24), (8, 1, 3, 1), groups=8)
@@ -1907,7 +2021,8 @@ MEMCHECK = textwrap.dedent("""
 
 # The script's families in two parts of about four minutes each on the H100, so that each fits a
 # device call of its own (benchmarks/gpu_all.sh tests-memcheck1, tests-memcheck2).
-MEMCHECK_PARTS = {"part1": ("direct", "gemv", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc"),
+MEMCHECK_PARTS = {"part1": ("direct", "gemv", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc",
+                            "wgrad"),
                   "part2": ("depthwise", "depthwise_planes", "depthwise_nhwc", "grouped_nhwc", "grouped_mma", "pointwise", "igemm",
                             "wgmma")}
 

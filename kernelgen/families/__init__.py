@@ -9,7 +9,7 @@ from .base import Family
 
 # module name -> names of the Family objects it exports (module attribute FAMILIES).
 _MODULES = ("direct", "gemv", "depthwise", "depthwise_planes", "groupwise_nhwc", "grouped_mma", "gemm", "wgmma", "nhwc", "nhwc_tma", "pointwise_tma", "pointwise_tile", "stem_nhwc",
-            "cpu")
+            "wgrad", "cpu")
 
 _registry: dict[str, Family] | None = None
 

@@ -1,0 +1,196 @@
+"""A forward convolution bound by its reduction: few output pixels, each a long sum, split between blocks.
+
+That is the shape of a lowered weight gradient (kernelgen/gradients.py: the input as (Cg, G*N, H, W),
+dY as the kernel (O, N, P, Q)): Cg x KH x KW output pixels of O channels, each a sum of N x P x Q
+terms (16 million for KernelBench's case 87). The families that give each tile its whole reduction
+run such a layer as a handful of blocks; this one splits the reduction into `splits` ranges of
+k-steps, one block each per output tile, and adds the ranges' float32 (float64) partial sums with
+a second kernel in a fixed order, so a call's bits never change from run to run.
+
+GEMM view, per group: rows = output pixels (batch x P x Q), columns = the group's output channels,
+reduction = (input channel, tap row, tap column). Both operands are read through the call's
+strides (layout 'any'), with the lanes of a warp along whichever index of each operand lies
+closest in memory (the reduction's columns for NCHW tensors, the rows' batch or dY's channels for
+channels_last ones), decided per launch. Tensor cores (mma.sync) for TF32 and 16-bit, FFMA for
+strict float32, DFMA for float64. The fused epilogue (scale, bias, residual, activation) is applied
+where the splits' sums are added, the one place the output is written.
+Whether it should run a call is the selector's to decide (costmodel.py, docs/selection.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import Unsupported
+from .base import Family, no_fit, target
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..device import Device
+    from ..spec import ConvSpec, Problem
+
+BK = 32  # reduction terms a k-step stages
+NTH = 256  # threads a block
+MIN_CHUNK = 2048  # terms a split sums at least (its staging and partial sums amortised)
+BLOCKS_PER_SM = 2  # what the splits aim to fill: two blocks an SM
+# The splits' partial sums that default_tiles allows a call (the workspace grows with them).
+WORKSPACE_CAP = 256 << 20
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _acc_bytes(spec: "ConvSpec") -> int:
+    return 8 if spec.dtype == "float64" else 4
+
+
+def _esize(spec: "ConvSpec") -> int:
+    return {"float64": 8, "float32": 4}.get(spec.dtype, 2)
+
+
+def mma(spec: "ConvSpec") -> bool:
+    """Whether the configuration multiplies on tensor cores (TF32, bf16, fp16)."""
+    return spec.dtype in ("float16", "bfloat16") or (spec.dtype == "float32" and spec.math == "tf32")
+
+
+def layout(spec: "ConvSpec", block_m: int, block_n: int) -> dict[str, int]:
+    """The tile's constants, shared by the checks and the template: warps over rows and columns
+    (MMA), the staged row's length and the shared memory. A staged row of 4-byte elements is 36
+    words and of 2-byte ones 20: the eight rows of a fragment load fall on different banks."""
+    warps_n = 4 if (block_m, block_n) == (64, 64) else 2
+    ldk = {8: BK + 2, 4: BK + 4, 2: BK + 8}[_esize(spec)]
+    smem = (3 * block_m + block_n) * 8 + 2 * (block_m + block_n) * ldk * _esize(spec)
+    return {"WARPS_M": NTH // 32 // warps_n, "WARPS_N": warps_n, "LDK": ldk, "SMEM_BYTES": smem}
+
+
+def reduction(spec: "ConvSpec") -> int:
+    kh, kw = spec.kernel_size
+    return spec.cin_per_group * kh * kw
+
+
+@dataclass(frozen=True)
+class WgradFamily(Family):
+    def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
+        t = dict(spec.tiles)
+        lay = layout(spec, t["block_m"], t["block_n"])
+        if mma(spec) and ((t["block_m"] // lay["WARPS_M"]) % 16 or (t["block_n"] // lay["WARPS_N"]) % 8):
+            raise Unsupported(f"wgrad: a {t['block_m']} x {t['block_n']} tile does not split into whole MMA tiles "
+                              f"over {lay['WARPS_M']} x {lay['WARPS_N']} warps")
+        if lay["SMEM_BYTES"] > device.smem_block:
+            raise Unsupported(f"wgrad: a {t['block_m']} x {t['block_n']} {spec.dtype} tile stages "
+                              f"{lay['SMEM_BYTES']} bytes of shared memory; a block of {device.name} takes "
+                              f"{device.smem_block}")
+
+    def context(self, spec: "ConvSpec") -> dict[str, object]:
+        t = dict(spec.tiles)
+        return {**layout(spec, t["block_m"], t["block_n"]), "MMA": mma(spec), "BK": BK, "NTH": NTH,
+                # each split's partial sums of every output element, in the accumulator's type
+                "WORKSPACE_PER_OUTPUT": t["splits"] * _acc_bytes(spec)}
+
+    @staticmethod
+    def _tiles(spec: "ConvSpec", problem: "Problem", block_m: int, block_n: int) -> int:
+        rows = problem.N * problem.P * problem.Q
+        return -(-rows // block_m) * -(-spec.cout_per_group // block_n) * spec.groups
+
+    def default_tiles(self, spec: "ConvSpec", problem: "Problem",
+                      fixed: "Mapping[str, int] | None" = None) -> dict[str, int]:
+        """Columns: the narrowest tile of 16, 32 or 64 that holds the group's output channels
+        (64 past that). Rows: 128 where that pads the rows no more than 64 would, else 64 (a tile
+        that does not fit the GPU's shared memory falls back to 64). Splits: the count of SPLITS
+        that keeps MIN_CHUNK terms a split and the partial sums within WORKSPACE_CAP and runs the
+        reduction in the fewest waves of two blocks an SM per unit of work (ceil(blocks / slots)
+        / splits; the fewer splits on a tie)."""
+        fixed = dict(fixed or {})
+        device = target(problem.device)
+        rows = max(problem.N * problem.P * problem.Q, 1)
+        bn = fixed.get("block_n", next((v for v in (16, 32, 64) if spec.cout_per_group <= v), 64))
+        if "block_m" in fixed:
+            bm = fixed["block_m"]
+        else:
+            bm = 128 if -(-rows // 128) * 128 <= -(-rows // 64) * 64 else 64
+            if layout(spec, bm, bn)["SMEM_BYTES"] * 2 > device.smem_sm:
+                bm = 64
+        if "splits" in fixed:
+            splits = fixed["splits"]
+        else:
+            tiles = self._tiles(spec, problem, bm, bn)
+            slots = BLOCKS_PER_SM * device.sms
+            outputs = rows * spec.out_channels
+            red = reduction(spec)
+            allowed = [s for s in SPLITS if s == 1 or (red // s >= MIN_CHUNK
+                                                       and s * outputs * _acc_bytes(spec) <= WORKSPACE_CAP)]
+            splits = min(allowed, key=lambda s: (-(-tiles * s // slots) / s, s))
+        out = {"block_m": bm, "block_n": bn, "splits": splits}
+        cand = spec.replace(family=self.name, tiles=tuple(out.items()))
+        try:
+            self.check_shape(cand, device)
+        except Unsupported as exc:
+            raise Unsupported(no_fit(fixed, [str(exc)])) from None
+        return out
+
+    # -- the cost model's view (costmodel.py; the derivation is in docs/selection.md) ---------------
+    def cost_class(self, spec: "ConvSpec") -> str:
+        return "mma" if mma(spec) else "fma"
+
+    def tiles_of(self, spec: "ConvSpec", problem: "Problem") -> int:
+        t = dict(spec.tiles)
+        return self._tiles(spec, problem, t["block_m"], t["block_n"]) * t["splits"]
+
+    def work(self, spec: "ConvSpec", problem: "Problem") -> float:
+        """Flops of the unit it multiplies on, issue slots included: whole tiles (rows to block_m,
+        the group's columns to block_n) over whole k-steps, plus what its threads issue besides
+        the products, converted to flops at the unit's rate per issue slot (a lane's share of the
+        SM's four warp instructions a clock: 16 TF32 flops on Hopper, 32 16-bit, 2 FMA flops):
+        LOAD_ISSUE slots for every staged element, and the shared loads feeding the MMA
+        fragments (or the FMAs' operands). docs/selection.md has the arithmetic."""
+        t = dict(spec.tiles)
+        bm, bn, splits = t["block_m"], t["block_n"], t["splits"]
+        ks = -(-reduction(spec) // BK)
+        steps = float(-(-ks // splits) * splits)  # k-steps every split's block walks, summed
+        tiles = self._tiles(spec, problem, bm, bn)
+        macs = 2.0 * tiles * bm * bn * steps * BK
+        device = target(problem.device)
+        unit = "fma" if not mma(spec) else "f16" if spec.dtype in ("float16", "bfloat16") else "tf32"
+        per_slot = device.peak_flops(unit) / (device.sms * device.clock_hz * 4 * 32)
+        slots = (bm + bn) * BK * LOAD_ISSUE  # a k-step's staging, a block's lane slots
+        lay = layout(spec, bm, bn)
+        if mma(spec):
+            k = 8 if spec.dtype == "float32" else 16
+            mt, nt = bm // lay["WARPS_M"] // 16, bn // lay["WARPS_N"] // 8
+            slots += NTH * (BK // k) * (4 * mt + 2 * nt)  # fragment loads, every lane of every warp
+        else:
+            rm = bm * bn // NTH // 4
+            slots += NTH * BK * (rm + 4)  # each k: rm + 4 operand loads a thread for its rm x 4 FMAs
+        return macs + tiles * steps * slots * per_slot
+
+    def traffic(self, spec: "ConvSpec", problem: "Problem") -> float:
+        """DRAM bytes: the input once and the weight once (the column tiles' re-reads of the input
+        and the row tiles' of the weight come from L2 at a third of the cost), the partial sums
+        written and read back, the output once."""
+        from ..spec import ELEMENT_BYTES
+
+        t = dict(spec.tiles)
+        e = ELEMENT_BYTES[spec.dtype]
+        kh, kw = spec.kernel_size
+        rows = problem.N * problem.P * problem.Q
+        x = problem.N * spec.in_channels * problem.H * problem.W
+        w = spec.out_channels * spec.cin_per_group * kh * kw
+        y = rows * spec.out_channels
+        col_tiles = -(-spec.cout_per_group // t["block_n"])
+        row_tiles = -(-rows // t["block_m"])
+        rereads = (x * (col_tiles - 1) + w * (row_tiles - 1)) * e / 3.0
+        return float((x + w + y) * e + rereads + 2 * t["splits"] * y * _acc_bytes(spec))
+
+
+# Issue slots a staged element takes from its thread: its k's offsets are shared by the thread's
+# elements of a k-step, so per element the row's three shared loads, two adds, two bounds tests,
+# the global load, the select and the shared store: about 10 (the B operand's fewer, counted alike).
+LOAD_ISSUE = 10
+
+
+wgrad = WgradFamily(
+    name="wgrad", device="cuda", template="cuda/wgrad.cu.j2", layouts=("any",),
+    dtypes=("float32", "float16", "bfloat16", "float64"),
+    tiles={"block_m": (64, 128), "block_n": (64, 32, 16), "splits": SPLITS},
+    tf32=True, wide_weights=True, engine="mma", epilogue=True, scale=True,
+)
+
+FAMILIES = (wgrad,)

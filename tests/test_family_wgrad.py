@@ -1,0 +1,201 @@
+"""CPU-tier tests of the `wgrad` family (a forward convolution whose reduction is split between
+blocks, for the lowered weight gradient): no GPU needed.
+
+What they cover: that it serves every dtype, layout (strided), groups and window on every target
+and that its own first choice comes first; its tile limits (shared memory on the smaller parts)
+and the reasons it names; that its splits keep thousands of terms each, fill the GPU where the
+reduction allows and bound the workspace, whose bytes the module declares; that the selector
+plans the lowered weight gradients of the KernelBench cases and of census layers onto it on a
+nominal H100, and ordinary forward layers not. Numerics and determinism are the GPU tier's
+(tests/test_gpu.py: make_wgrad_cases, test_weight_grad_through_wgrad_is_bit_identical).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelgen import gradients, select
+from kernelgen.device import nominal
+from kernelgen.errors import Unsupported
+from kernelgen.families import get_family
+from kernelgen.families import wgrad as W
+from kernelgen.functional import observe_meta_calls, planning_for, spec_for
+from kernelgen.render import render, spec_banner_json
+from kernelgen.spec import ConvSpec, Problem
+
+FAM = get_family("wgrad")
+TARGETS = (("sm_90a", False), ("sm_90a", True), ("sm_80", False), ("sm_86", False), ("sm_89", False))
+
+
+def _params(cin, cout, kernel=(1, 1), dtype="float32", stride=1, padding=0, dilation=1, groups=1, bias=False):
+    return dict(in_channels=cin, out_channels=cout, kernel_size=kernel, stride=stride, padding=padding,
+                dilation=dilation, groups=groups, dtype=dtype, bias=bias)
+
+
+def _problem(params, N, H, W_, arch="sm_90a", wide=False):
+    P, Q = ConvSpec(**params).output_size(H, W_)
+    return Problem(N=N, H=H, W=W_, P=P, Q=Q, device=nominal(arch, wide_dram=wide))
+
+
+def _spec(cin, cout, tiles, math="ieee", **kw):
+    return ConvSpec(**_params(cin, cout, **kw), device="cuda", layout="any", math=math, family="wgrad",
+                    tiles=tuple(tiles.items()))
+
+
+def lowered(N, C, O, H, W_, k, stride=1, padding=0, dilation=1, groups=1, dtype=torch.float32, cl=False,
+            precision="tf32", arch="sm_90a"):
+    """The spec(s) of the kernelgen.conv2d call(s) weight_grad makes for a layer, planned on meta
+    tensors for a nominal GPU of `arch`."""
+    x = torch.empty(N, C, H, W_, device="meta", dtype=dtype)
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    P = (H + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+    Q = (W_ + 2 * padding - dilation * (k - 1) - 1) // stride + 1
+    dy = torch.empty(N, O, P, Q, device="meta", dtype=dtype)
+    if cl:
+        dy = dy.contiguous(memory_format=torch.channels_last)
+    found = []
+
+    def on_call(inp, w, b, s, p, d, g, prec, family, tiles, **epi):
+        found.append(spec_for(inp, w, b, s, p, d, g, device="cuda", precision=prec, family=family, tiles=tiles)[0])
+
+    with planning_for(arch), observe_meta_calls(on_call):
+        gradients.weight_grad(dy, x, (O, C // groups, k, k), stride, padding, dilation, groups, precision=precision)
+    return found
+
+
+@pytest.mark.parametrize("layer", [
+    dict(p=_params(16, 128, (1022, 1022)), N=64, H=1024, W=1024),  # case 63's weight gradient
+    dict(p=_params(16, 128, (1024, 1024), dtype="bfloat16"), N=64, H=1024, W=1024),
+    dict(p=_params(64, 32, (56, 56), padding=1, groups=32, dtype="float16"), N=4, H=56, W=56),
+    dict(p=_params(8, 64, (14, 14), stride=2, dilation=2, dtype="float64", bias=True), N=3, H=29, W=29),
+    dict(p=_params(6, 9, (5, 3), padding=(1, 2), groups=3), N=1, H=7, W=9),
+])
+def test_serves_every_kind_of_layer_on_every_target(layer):
+    for arch, wide in TARGETS:
+        for channels_last in (False, True):
+            problem = _problem(layer["p"], layer["N"], layer["H"], layer["W"], arch, wide)
+            spec = select.choose(layer["p"], "cuda", problem, channels_last, "tf32", family="wgrad")
+            assert spec.layout == "any"
+            assert spec.math == ("tf32" if spec.dtype == "float32" else "ieee")
+            FAM.check(spec, problem.device)
+            assert FAM.candidates(spec, problem)[0] == spec  # its own first choice comes first
+
+
+def test_epilogues_are_applied_in_the_final_sum():
+    spec = _spec(16, 32, dict(block_m=64, block_n=32, splits=4), kernel=(9, 9), bias=True)
+    for extra in (dict(activation="gelu"), dict(residual=True), dict(scale=True)):
+        FAM.check(spec.replace(**extra))
+    src = render(spec.replace(activation="relu", residual=True, scale=True)).cuda
+    assert "kg_epi(" in src and "epi_s[o]" in src
+
+
+def test_shared_memory_limits_name_the_gpu():
+    # float64 tiles of 128 x 64 stage 108 KB: an sm_86 block takes 99 KB
+    spec = _spec(8, 64, dict(block_m=128, block_n=64, splits=1), dtype="float64", kernel=(9, 9))
+    FAM.check(spec, nominal("sm_90a"))
+    with pytest.raises(Unsupported, match="shared memory.*A10"):
+        FAM.check(spec, nominal("sm_86"))
+    # its own choice there falls back to 64 rows
+    params = _params(8, 64, (9, 9), dtype="float64")
+    problem = _problem(params, 64, 16, 16, "sm_86")
+    tiles = FAM.default_tiles(_spec(8, 64, {}, dtype="float64", kernel=(9, 9)), problem)
+    assert tiles["block_m"] == 64
+
+
+@pytest.mark.parametrize("cin,cout,N,plane,groups", [(16, 128, 64, 1024, 1), (16, 128, 16, 1022, 1),
+                                                     (8, 128, 64, 508, 1), (32, 64, 576, 56, 1),
+                                                     (32, 128, 4, 56, 32), (4, 64, 64, 256, 1)])
+def test_splits_fill_the_gpu_with_long_chunks_and_a_bounded_workspace(cin, cout, N, plane, groups):
+    """A lowered weight gradient: batch N (= Cg), one output pixel or a few, a reduction of
+    cin x plane^2 terms (the forward's batch and output plane)."""
+    for arch, wide in TARGETS:
+        params = _params(cin * groups, cout, (plane, plane), groups=groups)
+        problem = _problem(params, N, plane, plane, arch, wide)
+        spec = select.choose(params, "cuda", problem, False, "tf32", family="wgrad")
+        t = dict(spec.tiles)
+        red = W.reduction(spec)
+        assert t["splits"] == 1 or red // t["splits"] >= W.MIN_CHUNK
+        blocks = FAM.tiles_of(spec, problem)
+        sms = problem.device.sms
+        if red // W.MIN_CHUNK >= 2 * sms:  # reduction enough for every SM twice: the launch fills them
+            assert blocks >= 1.5 * sms, (arch, t, blocks)
+        outputs = N * problem.P * problem.Q * cout
+        assert t["splits"] * outputs * 4 <= W.WORKSPACE_CAP
+
+
+def test_workspace_is_each_splits_partial_sums_in_the_accumulators_type():
+    for dtype, acc in (("float32", 4), ("bfloat16", 4), ("float16", 4), ("float64", 8)):
+        spec = _spec(16, 32, dict(block_m=64, block_n=32, splits=12), dtype=dtype, kernel=(9, 9))
+        ctx = spec.template_context()
+        assert (ctx["WORKSPACE_BYTES"], ctx["WORKSPACE_PER_INPUT"], ctx["WORKSPACE_PER_OUTPUT"]) == (0, 0, 12 * acc)
+        assert f'"KG_WORKSPACE_PER_OUTPUT", {12 * acc})' in render(spec).cpp
+
+
+def test_rendered_source_carries_the_spec_and_no_caller_text():
+    spec = _spec(16, 128, dict(block_m=128, block_n=64, splits=96), math="tf32", kernel=(1022, 1022), bias=True)
+    out = render(spec)
+    assert ConvSpec.from_dict(spec_banner_json(out.cuda)) == spec
+    assert "cvt.rna.tf32.f32" in out.cuda  # TF32 rounds nearest, as the other families do
+    assert "constexpr int BM = 128, BN = 64, BK = 32, NTH = 256, SPLITS = 96;" in out.cuda
+
+
+def test_tiles_and_splits_are_a_function_of_the_call():
+    params = _params(16, 128, (1022, 1022))
+    problem = _problem(params, 16, 1024, 1024)
+    base = _spec(16, 128, {}, kernel=(1022, 1022))
+    assert FAM.default_tiles(base, problem) == FAM.default_tiles(base, problem)
+    # forced tiles hold, the rest chosen around them
+    t = FAM.default_tiles(base, problem, fixed=dict(splits=3))
+    assert t["splits"] == 3
+
+
+# ---- what the selector plans (nominal H100: the H200 table's rows, no GPU) ---------------------
+
+CASES = {  # KernelBench's, as bench_backward names them
+    "case.87": dict(N=16, C=64, O=128, H=1024, W_=1024, k=1),
+    "case.63": dict(N=16, C=16, O=128, H=1024, W_=1024, k=3),
+    "case.56": dict(N=8, C=64, O=128, H=512, W_=256, k=5),  # (5x7 in the case: a square stand-in)
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cell", [("tf32", False, torch.float32), ("bf16", True, torch.bfloat16),
+                                  ("ieee", False, torch.float32)])
+def test_lowered_weight_gradients_of_the_cases_plan_to_wgrad(name, cell):
+    precision, cl, dtype = cell
+    specs = lowered(**CASES[name], dtype=dtype, cl=cl, precision="ieee" if precision == "ieee" else "tf32")
+    assert [s.family for s in specs] == ["wgrad"], [s.summary() for s in specs]
+    assert dict(specs[0].tiles)["splits"] >= 32
+
+
+@pytest.mark.parametrize("layer", [
+    dict(N=32, C=64, O=64, H=56, W_=56, k=3, padding=1),  # ResNet-50 layer 1's 3x3
+    dict(N=32, C=3, O=64, H=224, W_=224, k=7, stride=2, padding=3),  # its stem
+    dict(N=32, C=144, O=24, H=56, W_=56, k=1),  # MobileNetV2's projection
+    dict(N=8, C=64, O=64, H=224, W_=224, k=3, padding=1),  # VGG's first
+    dict(N=32, C=128, O=128, H=56, W_=56, k=3, padding=1, groups=32),  # ResNeXt's grouped 3x3
+])
+def test_lowered_weight_gradients_of_training_layers_plan_to_wgrad(layer):
+    for cl, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        specs = lowered(**layer, dtype=dtype, cl=cl)
+        assert [s.family for s in specs] == ["wgrad"], [s.summary() for s in specs]
+
+
+@pytest.mark.parametrize("layer", [
+    dict(p=_params(64, 128), N=16, H=1024, W=1024),  # case 87's forward
+    dict(p=_params(16, 128, (3, 3)), N=16, H=1024, W=1024),  # case 63's
+    dict(p=_params(64, 64, (3, 3), padding=1), N=32, H=56, W=56),
+    dict(p=_params(512, 512, (3, 3), padding=1), N=32, H=7, W=7),
+    dict(p=_params(1024, 1024, (3, 3), padding=1, groups=32), N=32, H=7, W=7),
+    dict(p=_params(2048, 512), N=1, H=7, W=7),
+    dict(p=_params(3, 64, (7, 7), stride=2, padding=3), N=32, H=224, W=224),
+])
+def test_ordinary_forward_layers_do_not_plan_to_wgrad(layer):
+    for channels_last, math, dtype in ((False, "tf32", "float32"), (True, "ieee", "bfloat16")):
+        params = {**layer["p"], "dtype": dtype}
+        problem = _problem(params, layer["N"], layer["H"], layer["W"])
+        ranked = select.ranked(params, "cuda", problem, channels_last, math)
+        assert ranked[0].family != "wgrad", ranked[0].summary()
+        assert "wgrad" in {s.family for s in ranked}  # (it can serve them: the selector says it should not)
