@@ -15,24 +15,14 @@ import re
 import pytest
 
 from kernelgen import select
-from kernelgen.device import nominal
 from kernelgen.errors import ConvArgumentError, Unsupported
 from kernelgen.families import get_family
-from kernelgen.spec import ConvSpec, Problem
+from kernelgen.spec import ConvSpec
+from family_args import params as _params, problem as _problem
 from lowering import NVCC, lower
 
 FAM = get_family("gemv")
 TARGETS = (("sm_90a", False), ("sm_90a", True), ("sm_80", False), ("sm_86", False), ("sm_89", False))
-
-
-def _params(cin, cout, kernel=(1, 1), dtype="float32", stride=1, padding=0, dilation=1, groups=1, bias=False):
-    return dict(in_channels=cin, out_channels=cout, kernel_size=kernel, stride=stride, padding=padding,
-                dilation=dilation, groups=groups, dtype=dtype, bias=bias)
-
-
-def _problem(params, N, H, W, arch="sm_90a", wide=False):
-    P, Q = ConvSpec(**params).output_size(H, W)
-    return Problem(N=N, H=H, W=W, P=P, Q=Q, device=nominal(arch, wide_dram=wide))
 
 
 def _spec(cin, cout, tiles, **kw):

@@ -22,20 +22,11 @@ from kernelgen.families import get_family
 from kernelgen.families import wgrad as W
 from kernelgen.functional import observe_meta_calls, planning_for, spec_for
 from kernelgen.render import render, spec_banner_json
-from kernelgen.spec import ConvSpec, Problem
+from kernelgen.spec import ConvSpec
+from family_args import params as _params, problem as _problem
 
 FAM = get_family("wgrad")
 TARGETS = (("sm_90a", False), ("sm_90a", True), ("sm_80", False), ("sm_86", False), ("sm_89", False))
-
-
-def _params(cin, cout, kernel=(1, 1), dtype="float32", stride=1, padding=0, dilation=1, groups=1, bias=False):
-    return dict(in_channels=cin, out_channels=cout, kernel_size=kernel, stride=stride, padding=padding,
-                dilation=dilation, groups=groups, dtype=dtype, bias=bias)
-
-
-def _problem(params, N, H, W_, arch="sm_90a", wide=False):
-    P, Q = ConvSpec(**params).output_size(H, W_)
-    return Problem(N=N, H=H, W=W_, P=P, Q=Q, device=nominal(arch, wide_dram=wide))
 
 
 def _spec(cin, cout, tiles, math="ieee", **kw):
