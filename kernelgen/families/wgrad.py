@@ -38,7 +38,7 @@ WORKSPACE_CAP = 256 << 20
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Depthwise mode (dw_rows > 0): a block takes groups_block consecutive groups x up to dw_rows rows
 # (all of a depthwise weight gradient's KH x KW x Cg) over one split, FFMA (DFMA) in registers.
-DW_ROWS = (0, 1, 2, 4, 9, 16, 25, 36, 49, 64)
+DW_ROWS = (0, 1, 2, 4, 9, 16, 25, 36, 49)
 GROUPS_BLOCK = (0, 32, 8)
 DW_COUT_MAX = 4  # output channels a group the mode serves (a depthwise multiplier)
 DW_CH = 8  # accumulators a thread hands to the block's reduction at a time
@@ -75,9 +75,23 @@ def dw_acc_max(spec: "ConvSpec") -> int:
 
 def dw_layout(spec: "ConvSpec", dw_rows: int, groups_block: int) -> dict[str, int]:
     """The depthwise mode's constants: threads a group (slices of the reduction), accumulators a
-    thread, and the shared memory (the rows' offsets, then one round of the block's reduction)."""
-    smem = 3 * dw_rows * 8 + NTH * DW_CH * _acc_bytes(spec)
+    thread, and the shared memory (the rows' offsets, the terms' eight steps and the rows' bounds, then one round of the
+    block's reduction)."""
+    smem = 3 * dw_rows * 8 + 80 + NTH * DW_CH * _acc_bytes(spec)
     return {"DW_SLICES": NTH // groups_block, "DW_ACC": dw_rows * spec.cout_per_group, "DW_SMEM": smem}
+
+
+def inner_fraction(spec: "ConvSpec", problem: "Problem") -> float:
+    """The share of a lowered conv's terms (the forward's output pixels) at which every row's tap
+    (the forward's KH x KW, problem.P x problem.Q) reads inside the input: the kernel's bounds-free
+    path. Per axis: the taps pp (of spec's kernel, step the dilation) where the first row's window
+    (-padding) and the last one's ((P - 1) x stride - padding) both land inside."""
+    def axis(k, s, d, pad, rows, size):
+        lo, hi = -pad, (rows - 1) * s - pad
+        return sum(1 for pp in range(k) if lo + pp * d >= 0 and hi + pp * d < size) / k
+    kh, kw = spec.kernel_size
+    return (axis(kh, spec.stride[0], spec.dilation[0], spec.padding[0], problem.P, problem.H)
+            * axis(kw, spec.stride[1], spec.dilation[1], spec.padding[2], problem.Q, problem.W))
 
 
 def depthwise_mode(spec: "ConvSpec") -> bool:
@@ -266,8 +280,9 @@ class WgradFamily(Family):
         """The depthwise mode's issue slots as FMA flops (2 a slot): every thread of every block
         walks its terms of the split (the groups padded to groups_block, the rows to dw_rows),
         each term DW_TERM_ISSUE slots (its decode and offsets), DW_LOAD_ISSUE a dY load for each
-        output channel of the group, and for each row DW_ROW_ISSUE (its window's shared offsets,
-        bounds, the load) plus one FFMA an output channel; then the block's reduction, two slots
+        output channel of the group, and for each row DW_ROW_FAST where every row's tap of the
+        term lies inside the input (inner_fraction of the terms), else DW_ROW_ISSUE (its bounds
+        tests too), plus one FFMA an output channel; then the block's reduction, two slots
         an accumulator of every thread and one a slice it adds. docs/selection.md has the
         arithmetic."""
         t = dict(spec.tiles)
@@ -275,7 +290,9 @@ class WgradFamily(Family):
         mult = spec.cout_per_group
         blocks = self._dw_tiles(spec, problem, dwr, gb) * splits
         terms = -(-reduction(spec) // splits)  # a split's terms, every group of the block
-        per_term = DW_TERM_ISSUE + DW_LOAD_ISSUE * mult + dwr * (DW_ROW_ISSUE + mult)
+        inner = inner_fraction(spec, problem)
+        per_term = (DW_TERM_ISSUE + DW_INNER_ISSUE + DW_LOAD_ISSUE * mult
+                    + dwr * (inner * DW_ROW_FAST + (1 - inner) * DW_ROW_ISSUE + mult))
         walk = float(blocks) * gb * terms * per_term
         acc = dwr * mult
         reduce = float(blocks) * (2 * NTH * acc + gb * acc * (NTH // gb))
@@ -311,12 +328,17 @@ class WgradFamily(Family):
 # elements of a k-step, so per element the row's three shared loads, two adds, two bounds tests,
 # the global load, the select and the shared store: about 10 (the B operand's fewer, counted alike).
 LOAD_ISSUE = 10
-# The depthwise mode's issue slots (work): a term's decode (two divisions by constants, the three
-# offsets in 64 bits, the loop), a dY element's (address, load, conversion) and a row's (its three
-# shared offsets, two adds, two bounds tests, the address, the predicated load, the conversion).
-DW_TERM_ISSUE = 16
+# The depthwise mode's issue slots a thread (work), counted from its PTX (3x3, float32, 9 rows): a
+# term's loop test and its steps to the next (two 64-bit offsets, a column and a row carry, each
+# predicated: 22) and its dY base (3); the test whether every row's tap lies inside the input (8);
+# a dY element's address and load (3); a row's 64-bit address (2) and load where the term is
+# inside (3), else also its two 32-bit adds, the bounds tests and the branch (8); and an FFMA an
+# output channel besides.
+DW_TERM_ISSUE = 25
+DW_INNER_ISSUE = 8
 DW_LOAD_ISSUE = 3
-DW_ROW_ISSUE = 10
+DW_ROW_FAST = 3
+DW_ROW_ISSUE = 8
 
 
 wgrad = WgradFamily(
