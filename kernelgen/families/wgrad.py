@@ -14,6 +14,12 @@ closest in memory (the reduction's columns for NCHW tensors, the rows' batch or 
 channels_last ones), decided per launch. Tensor cores (mma.sync) for TF32 and 16-bit, FFMA for
 strict float32, DFMA for float64. The fused epilogue (scale, bias, residual, activation) is applied
 where the splits' sums are added, the one place the output is written.
+
+Depthwise mode (tiles dw_rows > 0, groups_block > 0): a depthwise weight gradient lowers to 9 rows
+and one column a group, which a GEMM tile leaves ~99% idle; here a block takes groups_block
+consecutive groups x up to dw_rows rows over one split, each thread summing rows x multiplier
+outputs in FFMA (DFMA) registers over its slice of the split's terms, then a fixed-order block
+reduction into the same workspace, which the same final kernel adds.
 Whether it should run a call is the selector's to decide (costmodel.py, docs/selection.md).
 """
 
