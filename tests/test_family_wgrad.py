@@ -266,7 +266,7 @@ def test_depthwise_mode_workspace_is_each_splits_partial_sums():
     src = render(_dwspec(64, 8, 2, (28, 28), {})).cuda
     assert "kg_wgrad_dw_kernel<<<" in src and "kg_wgrad_kernel<<<" not in src and "mma(" not in src.split(
         "kg_wgrad_dw_kernel(const Params p)")[1]
-    assert "kg_wgrad_dw_kernel" not in render(_spec(16, 32, dict(block_m=64, block_n=32, splits=4))).cuda
+    assert "kg_wgrad_dw_kernel(const Params p)" not in render(_spec(16, 32, dict(block_m=64, block_n=32, splits=4))).cuda
 
 
 DEPTHWISE = {  # the forward layer (N, C = O x 1/mult, H, W, k, ...) whose weight gradient is lowered
