@@ -943,7 +943,7 @@ def make_wgrad_cases() -> list[Case]:
     ]
     out = [Case(6900 + i, n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
            for i, (n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
-    out += [Case(6950 + i, n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
+    out += [Case(7700 + i, n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
             for i, (n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(depthwise)]
     # ordinary calls: views, channels_last weights, offsets, unbatched
     more = [  # N, C, K, groups, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
