@@ -255,6 +255,19 @@ def test_depthwise_mode_tiles_follow_the_rows_and_the_reduction():
             base, problem, fixed=dict(splits=3, dw_rows=16))["groups_block"])
 
 
+def test_depthwise_mode_is_refused_where_its_32_bit_rows_and_columns_do_not_hold_the_call():
+    # Settled when the call is planned, not at its launch: a plane 2^30 rows tall plans the GEMM
+    # tile, and forcing the depthwise mode there names the reason.
+    params = _params(32 * 16, 32, (1, 8), groups=32, padding=(0, 1))
+    base = ConvSpec(**params, device="cuda", layout="any", family="wgrad")
+    small, tall = _problem(params, 1, 1, 8), _problem(params, 1, 1 << 30, 8)
+    assert W.dw_reach_fits(base, small) and not W.dw_reach_fits(base, tall)
+    assert FAM.default_tiles(base, small)["dw_rows"] > 0
+    assert FAM.default_tiles(base, tall)["dw_rows"] == 0
+    with pytest.raises(Unsupported, match="depthwise mode indexes the input's rows and columns in 32 bits"):
+        FAM.default_tiles(base, tall, fixed=dict(groups_block=8))
+
+
 def test_depthwise_mode_workspace_is_each_splits_partial_sums():
     for dtype, acc in (("float32", 4), ("bfloat16", 4), ("float16", 4), ("float64", 8)):
         spec = _dwspec(64, 8, 1, (28, 28), dict(splits=12), dtype=dtype)

@@ -109,6 +109,20 @@ def reduction(spec: "ConvSpec") -> int:
     return spec.cin_per_group * kh * kw
 
 
+DW_REACH = 1 << 30  # the depthwise mode's rows and columns: 32-bit ints (its launch refuses more)
+
+
+def dw_reach_fits(spec: "ConvSpec", problem: "Problem") -> bool:
+    """Whether the depthwise mode's 32-bit row and column indices hold the call: every window's
+    first row (column), plus a tap's reach, plus the input's extent, under DW_REACH (what its
+    launch checks, settled here, at plan time)."""
+    (kh, kw), (sh, sw), (dh, dw) = spec.kernel_size, spec.stride, spec.dilation
+    top, _, left, _ = spec.padding
+    reach_h = (problem.P - 1) * sh + top + (kh - 1) * dh + problem.H
+    reach_w = (problem.Q - 1) * sw + left + (kw - 1) * dw + problem.W
+    return reach_h < DW_REACH and reach_w < DW_REACH
+
+
 @dataclass(frozen=True)
 class WgradFamily(Family):
     def check_shape(self, spec: "ConvSpec", device: "Device") -> None:
@@ -196,8 +210,11 @@ class WgradFamily(Family):
         forced_dw = fixed.get("dw_rows", 0) > 0 or fixed.get("groups_block", 0) > 0
         forced_gemm = (fixed.get("dw_rows", 1) == 0 or fixed.get("groups_block", 1) == 0
                        or fixed.get("block_m", 64) != 64 or fixed.get("block_n", 16) != 16)
+        if forced_dw and not dw_reach_fits(spec, problem):
+            raise Unsupported(f"wgrad: the depthwise mode indexes the input's rows and columns in 32 bits "
+                              f"(under {DW_REACH}); a {problem.H} x {problem.W} input reaches past that")
         if forced_dw or (not forced_gemm and spec.cout_per_group <= DW_COUT_MAX
-                         and self.wants_depthwise(spec, problem)):
+                         and self.wants_depthwise(spec, problem) and dw_reach_fits(spec, problem)):
             out = self._default_dw(spec, problem, fixed, rows)
         else:
             out = self._default_gemm(spec, problem, fixed, rows, device)
