@@ -6,11 +6,14 @@ and that its own first choice comes first; its tile limits (shared memory on the
 and the reasons it names; that its splits keep thousands of terms each, fill the GPU where the
 reduction allows and bound the workspace, whose bytes the module declares; that the selector
 plans the lowered weight gradients of the KernelBench cases and of census layers onto it on a
-nominal H100, and ordinary forward layers not. Numerics and determinism are the GPU tier's
+nominal H100, and ordinary forward layers not; the depthwise mode's legality, its choice for
+depthwise weight gradients (and nowhere else) and that it lowers without spills (nvcc). Numerics and determinism are the GPU tier's
 (tests/test_gpu.py: make_wgrad_cases, test_weight_grad_through_wgrad_is_bit_identical).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ from kernelgen.functional import observe_meta_calls, planning_for, spec_for
 from kernelgen.render import render, spec_banner_json
 from kernelgen.spec import ConvSpec
 from family_args import params as _params, problem as _problem
+from lowering import NVCC, lower
 
 FAM = get_family("wgrad")
 TARGETS = (("sm_90a", False), ("sm_90a", True), ("sm_80", False), ("sm_86", False), ("sm_89", False))
@@ -190,3 +194,151 @@ def test_ordinary_forward_layers_do_not_plan_to_wgrad(layer):
         ranked = select.ranked(params, "cuda", problem, channels_last, math)
         assert ranked[0].family != "wgrad", ranked[0].summary()
         assert "wgrad" in {s.family for s in ranked}  # (it can serve them: the selector says it should not)
+
+
+# ---- the depthwise mode (dw_rows, groups_block > 0) ----------------------------------------------
+
+def _dwspec(groups, nb, mult, kernel, tiles, dtype="float32", math="ieee", **kw):
+    """The lowered conv of a depthwise layer: `groups` channels, batch `nb` (each group's input
+    channels), `mult` output channels a group, the forward's dY plane as `kernel`."""
+    base = dict(block_m=64, block_n=16, splits=8, dw_rows=9, groups_block=32)
+    return ConvSpec(**_params(groups * nb, groups * mult, kernel, groups=groups, dtype=dtype, **kw),
+                    device="cuda", layout="any", math=math, family="wgrad", tiles=tuple({**base, **tiles}.items()))
+
+
+def test_depthwise_mode_legality_and_reasons():
+    FAM.check(_dwspec(32, 4, 1, (56, 56), {}))
+    FAM.check(_dwspec(32, 4, 4, (56, 56), dict(dw_rows=16)))  # 64 float32 sums a thread
+    FAM.check(_dwspec(32, 4, 2, (56, 56), dict(dw_rows=16), dtype="float64"))  # 32 float64
+    FAM.check(_dwspec(96, 4, 1, (28, 28), dict(dw_rows=49, groups_block=8), dtype="bfloat16"))
+    with pytest.raises(Unsupported, match="dw_rows and groups_block together"):
+        FAM.check(_dwspec(32, 4, 1, (56, 56), dict(groups_block=0)))
+    with pytest.raises(Unsupported, match="dw_rows and groups_block together"):
+        FAM.check(_dwspec(32, 4, 1, (56, 56), dict(dw_rows=0)))
+    with pytest.raises(Unsupported, match="up to 4 output channels a group, not 5"):
+        FAM.check(_dwspec(32, 4, 5, (56, 56), {}))
+    with pytest.raises(Unsupported, match="25 rows x 4 output channels = 100 float32 accumulators.*at most 64"):
+        FAM.check(_dwspec(32, 4, 4, (56, 56), dict(dw_rows=25)))
+    with pytest.raises(Unsupported, match="36 float64 accumulators.*at most 32"):
+        FAM.check(_dwspec(32, 4, 4, (56, 56), dict(dw_rows=9), dtype="float64"))
+    with pytest.raises(Unsupported, match="no GEMM tile"):
+        FAM.check(_dwspec(32, 4, 1, (56, 56), dict(block_m=128)))
+    # the GEMM mode is the default of a spec that names neither
+    assert dict(_spec(16, 32, dict(block_m=64, block_n=32, splits=4)).tiles)["dw_rows"] == 0
+
+
+def test_depthwise_mode_tiles_follow_the_rows_and_the_reduction():
+    for k, rows in ((3, 9), (5, 25), (7, 49)):
+        params = _params(32 * 16, 32, (56, 56), groups=32, padding=k // 2)  # 32 groups, batch 16
+        problem = _problem(params, 1, 56, 56)
+        assert (problem.P, problem.Q) == (k, k)
+        t = FAM.default_tiles(ConvSpec(**params, device="cuda", layout="any", family="wgrad"), problem)
+        assert t["dw_rows"] == rows and t["groups_block"] in (8, 32) and (t["block_m"], t["block_n"]) == (64, 16)
+        spec = ConvSpec(**params, device="cuda", layout="any", family="wgrad", tiles=tuple(t.items()))
+        assert t["splits"] == 1 or W.reduction(spec) // t["splits"] >= W.MIN_CHUNK
+        FAM.check(spec)
+    # multiplier 2 with 7 x 7 taps: 98 sums a thread; multiplier 5: no depthwise mode, the GEMM tile
+    for mult in (2, 5):
+        params = _params(32 * 16, 32 * mult, (56, 56), groups=32, padding=3 if mult == 2 else 1)
+        problem = _problem(params, 1, 56, 56)
+        t = FAM.default_tiles(ConvSpec(**params, device="cuda", layout="any", family="wgrad"), problem)
+        assert (t["dw_rows"], t["groups_block"]) == (0, 0), t
+    # forcing either mode holds
+    params = _params(32 * 16, 32, (56, 56), groups=32, padding=1)
+    problem = _problem(params, 1, 56, 56)
+    base = ConvSpec(**params, device="cuda", layout="any", family="wgrad")
+    assert FAM.default_tiles(base, problem, fixed=dict(dw_rows=0))["groups_block"] == 0
+    assert FAM.default_tiles(base, problem, fixed=dict(block_m=128))["dw_rows"] == 0
+    assert FAM.default_tiles(base, problem, fixed=dict(groups_block=8))["dw_rows"] == 9
+    assert FAM.default_tiles(base, problem, fixed=dict(splits=3, dw_rows=16)) == dict(
+        block_m=64, block_n=16, splits=3, dw_rows=16, groups_block=FAM.default_tiles(
+            base, problem, fixed=dict(splits=3, dw_rows=16))["groups_block"])
+
+
+def test_depthwise_mode_is_refused_where_its_32_bit_rows_and_columns_do_not_hold_the_call():
+    # Settled when the call is planned, not at its launch: a plane 2^30 rows tall plans the GEMM
+    # tile, and forcing the depthwise mode there names the reason.
+    params = _params(32 * 16, 32, (1, 8), groups=32, padding=(0, 1))
+    base = ConvSpec(**params, device="cuda", layout="any", family="wgrad")
+    small, tall = _problem(params, 1, 1, 8), _problem(params, 1, 1 << 30, 8)
+    assert W.dw_reach_fits(base, small) and not W.dw_reach_fits(base, tall)
+    assert FAM.default_tiles(base, small)["dw_rows"] > 0
+    assert FAM.default_tiles(base, tall)["dw_rows"] == 0
+    with pytest.raises(Unsupported, match="depthwise mode indexes the input's rows and columns in 32 bits"):
+        FAM.default_tiles(base, tall, fixed=dict(groups_block=8))
+
+
+def test_depthwise_mode_workspace_is_each_splits_partial_sums():
+    for dtype, acc in (("float32", 4), ("bfloat16", 4), ("float16", 4), ("float64", 8)):
+        spec = _dwspec(64, 8, 1, (28, 28), dict(splits=12), dtype=dtype)
+        ctx = spec.template_context()
+        assert (ctx["WORKSPACE_BYTES"], ctx["WORKSPACE_PER_INPUT"], ctx["WORKSPACE_PER_OUTPUT"]) == (0, 0, 12 * acc)
+        assert ctx["DW_SMEM"] == 3 * 9 * 8 + 80 + 256 * W.DW_CH * acc
+        out = render(spec).cpp
+        assert f'"KG_WORKSPACE_PER_OUTPUT", {12 * acc})' in out
+    src = render(_dwspec(64, 8, 2, (28, 28), {})).cuda
+    assert "kg_wgrad_dw_kernel<<<" in src and "kg_wgrad_kernel<<<" not in src and "mma(" not in src.split(
+        "kg_wgrad_dw_kernel(const Params p)")[1]
+    assert "kg_wgrad_dw_kernel(const Params p)" not in render(_spec(16, 32, dict(block_m=64, block_n=32, splits=4))).cuda
+
+
+DEPTHWISE = {  # the forward layer (N, C = O x 1/mult, H, W, k, ...) whose weight gradient is lowered
+    "mv2.dw32.112": dict(N=32, C=32, O=32, H=112, W_=112, k=3, padding=1, groups=32),
+    "mv2.dw144.56": dict(N=32, C=144, O=144, H=56, W_=56, k=3, padding=1, groups=144),
+    "case.84": dict(N=64, C=128, O=128, H=256, W_=512, k=3, groups=128),
+    "convnext.7x7": dict(N=32, C=96, O=96, H=56, W_=56, k=7, padding=3, groups=96),
+    "dw.5x5.x2": dict(N=16, C=64, O=128, H=56, W_=56, k=5, padding=2, groups=64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEPTHWISE))
+@pytest.mark.parametrize("cell", [("tf32", False, torch.float32), ("bf16", True, torch.bfloat16)])
+def test_depthwise_weight_gradients_plan_to_the_depthwise_mode(name, cell):
+    precision, cl, dtype = cell
+    specs = lowered(**DEPTHWISE[name], dtype=dtype, cl=cl)
+    assert [s.family for s in specs] == ["wgrad"], [s.summary() for s in specs]
+    t = dict(specs[0].tiles)
+    assert t["dw_rows"] > 0 and t["groups_block"] > 0, specs[0].summary()
+
+
+@pytest.mark.parametrize("layer", [
+    dict(N=32, C=64, O=64, H=56, W_=56, k=3, padding=1),
+    dict(N=32, C=128, O=128, H=56, W_=56, k=3, padding=1, groups=32),  # 4 channels a group: 36 rows x 4
+    dict(N=32, C=144, O=24, H=56, W_=56, k=1),
+])
+def test_other_weight_gradients_keep_the_gemm_tile(layer):
+    for cl, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        for s in lowered(**layer, dtype=dtype, cl=cl):
+            assert s.family != "wgrad" or dict(s.tiles)["dw_rows"] == 0, s.summary()
+
+
+@pytest.mark.parametrize("layer", [
+    dict(p=_params(96, 96, (3, 3), padding=1, groups=96), N=32, H=56, W=56),  # forward depthwise layers
+    dict(p=_params(960, 960, (3, 3), padding=1, groups=960), N=32, H=7, W=7),
+    dict(p=_params(96, 192, (5, 5), padding=2, groups=96), N=8, H=28, W=28),
+])
+def test_forward_depthwise_layers_do_not_plan_to_wgrad(layer):
+    for channels_last, math, dtype in ((False, "tf32", "float32"), (True, "ieee", "bfloat16")):
+        params = {**layer["p"], "dtype": dtype}
+        problem = _problem(params, layer["N"], layer["H"], layer["W"])
+        assert select.choose(params, "cuda", problem, channels_last, math).family != "wgrad"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("dtype,math,mult,rows,groups_block", [
+    ("float32", "ieee", 1, 9, 32), ("float32", "tf32", 2, 9, 8), ("bfloat16", "ieee", 1, 49, 8),
+    ("float16", "ieee", 2, 25, 32), ("float64", "ieee", 1, 25, 32), ("float64", "ieee", 2, 9, 8),
+    ("float32", "ieee", 1, 49, 32), ("bfloat16", "ieee", 4, 9, 32),
+    # at the accumulators' bound: 64 float32, 32 float64 a thread
+    ("float32", "tf32", 4, 16, 8), ("float64", "ieee", 2, 16, 32), ("float16", "ieee", 4, 16, 8),
+])
+def test_depthwise_mode_lowers_without_spills(dtype, math, mult, rows, groups_block, tmp_path):
+    """3x3, 5x5 and 7x7 taps (9, 25, 49 rows), multipliers 1, 2 and 4. NCHW- and channels_last-derived
+    calls run the same kernel: the lanes' mapping is the launch's, from the strides."""
+    spec = _dwspec(64, 16, mult, (56, 56), dict(dw_rows=rows, groups_block=groups_block, splits=24),
+                   dtype=dtype, math=math, stride=2, dilation=1, padding=1)
+    ptx, report = lower(spec, tmp_path)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and not any(spills), report
+    assert "mma.sync" not in ptx  # FFMA (DFMA) only
+    assert ("fma.rn.f64" if dtype == "float64" else "fma.rn.f32") in ptx

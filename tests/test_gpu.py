@@ -881,7 +881,7 @@ def make_pointwise_tma_split_cases() -> list[Case]:
 
 def make_wgrad_cases() -> list[Case]:
     """`wgrad` (a reduction split between blocks, partial sums added in a fixed order): the lowered
-    weight gradients weight_grad makes, from NCHW and channels_last x and dY (make_tensors'
+    weight gradients weight_grad makes (the GEMM tile's and the depthwise mode's), from NCHW and channels_last x and dY (make_tensors'
     'lowered', 'lowered_cl': batch and channels swapped, transposed views), strict float32, TF32,
     bf16, fp16 and float64, one group, two and depthwise (one input and output channel a group),
     the forward's stride as the dilation and its dilation as the stride, padding, a bias, rows
@@ -909,14 +909,56 @@ def make_wgrad_cases() -> list[Case]:
         (3, 32, 48, 1, (60, 60), (1, 1), 0, (1, 1), False, "float32", "ieee", "lowered_cl", 60, 60, {}),
         (4, 32, 32, 4, (40, 40), (1, 1), 1, (1, 1), True, "float16", None, "lowered", 40, 40, {}),
     ]
+    # The depthwise mode (dw_rows, groups_block > 0): groups = channels, one input channel a group
+    # (Cg 1; 2 in one row), multipliers 1, 2 and 4; the forward's stride 2 as the dilation, its
+    # dilation 2 as the stride; 3x3, 4x4, 5x5 and 7x7 rows; 40 and 36 groups (a partial last block
+    # of 32, of 8); rows past dw_rows (three passes, the last partial); splits forced (empty ones
+    # too) and the defaults of a long reduction; a bias in the final sum. (weight_grad's x' of one
+    # channel a group is a contiguous copy either way: lanes along the terms; dY's channels_last
+    # strides differ. The lanes along the groups are the ordinary channels_last calls' below.)
+    depthwise = [
+        (1, 40 * 3, 40, 40, (14, 14), (1, 1), 1, (1, 1), False, "float32", "ieee", "lowered", 14, 14, {}),
+        (1, 40 * 3, 40, 40, (14, 14), (1, 1), 1, (1, 1), True, "float32", "tf32", "lowered_cl", 14, 14,
+         {"groups_block": 32, "splits": 2}),
+        (1, 36 * 3, 36, 36, (7, 7), (1, 1), 1, (2, 2), False, "bfloat16", None, "lowered", 14, 14, {}),
+        (1, 36 * 3, 36, 36, (7, 7), (1, 1), 1, (2, 2), False, "float16", None, "lowered_cl", 14, 14,
+         {"groups_block": 8}),
+        (1, 24 * 2, 24, 24, (10, 10), (2, 2), 2, (1, 1), False, "float32", "ieee", "lowered_cl", 14, 14, {}),
+        (1, 20 * 4, 40, 20, (12, 12), (1, 1), 1, (1, 1), True, "bfloat16", None, "lowered_cl", 12, 12, {}),
+        (1, 20 * 4, 40, 20, (12, 12), (1, 1), 1, (1, 1), False, "float32", "tf32", "lowered", 12, 12, {}),
+        (1, 12 * 2, 48, 12, (9, 9), (1, 1), 1, (1, 1), False, "float32", "ieee", "lowered_cl", 9, 9, {}),
+        (1, 33 * 2, 33, 33, (9, 11), (1, 1), 2, (1, 1), True, "float64", None, "lowered", 9, 11, {}),
+        (1, 33 * 2, 66, 33, (9, 11), (1, 1), 1, (1, 1), False, "float64", None, "lowered_cl", 9, 11, {}),
+        (1, 48 * 2, 48, 48, (16, 16), (1, 1), 3, (1, 1), False, "float16", None, "lowered", 16, 16, {}),
+        (1, 48 * 2, 48, 48, (16, 16), (1, 1), 3, (1, 1), True, "bfloat16", None, "lowered_cl", 16, 16, {}),
+        (2, 16 * 3, 16, 16, (10, 10), (1, 1), 1, (1, 1), False, "float32", "ieee", "lowered", 10, 10, {}),
+        (1, 8 * 64, 64, 64, (28, 28), (1, 1), 1, (1, 1), False, "float32", "tf32", "lowered_cl", 28, 28,
+         {"dw_rows": 4, "groups_block": 8, "splits": 6}),
+        (1, 8 * 64, 64, 64, (28, 28), (1, 1), 1, (1, 1), True, "bfloat16", None, "lowered", 28, 28,
+         {"dw_rows": 4, "groups_block": 32, "splits": 3}),
+        (1, 2 * 12, 12, 12, (3, 5), (1, 1), 0, (1, 1), True, "float32", "ieee", "lowered", 4, 6,
+         {"dw_rows": 9, "groups_block": 8, "splits": 24}),
+        (1, 32 * 32, 32, 32, (56, 56), (1, 1), 1, (1, 1), False, "float32", "ieee", "lowered", 56, 56, {}),
+        (1, 32 * 32, 32, 32, (56, 56), (1, 1), 1, (1, 1), False, "bfloat16", None, "lowered_cl", 56, 56, {}),
+    ]
     out = [Case(6900 + i, n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
            for i, (n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+    out += [Case(7700 + i, n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
+            for i, (n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(depthwise)]
     # ordinary calls: views, channels_last weights, offsets, unbatched
     more = [  # N, C, K, groups, kernel, stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
         (2, 24, 40, 2, (3, 3), (1, 1), 1, (1, 1), True, "float32", "tf32", "strided_view", 13, 17, {"splits": 2}),
         (3, 16, 20, 1, (5, 3), (2, 1), (1, 0), (1, 2), False, "bfloat16", None, "cl_offset", 11, 9, {}),
         (2, 8, 24, 1, (3, 3), (1, 1), 1, (1, 1), True, "float16", None, "weight_slice", 10, 10, {"block_n": 32}),
         (0, 12, 18, 3, (3, 3), (1, 1), 1, (1, 1), True, "float64", None, "offset", 9, 8, {"splits": 3}),
+        # the depthwise mode with channels_last x (lanes along the groups): 40 groups (a partial block
+        # of 32), two passes over 50 rows (25 a pass), multiplier 2; 64 groups, 9 rows
+        (2, 40, 80, 40, (3, 3), (1, 1), 1, (1, 1), True, "bfloat16", None, "cl_offset", 5, 5,
+         {"dw_rows": 25, "groups_block": 32, "splits": 1}),
+        (1, 64, 64, 64, (3, 3), (1, 1), 1, (1, 1), False, "float32", "ieee", "channels_last", 3, 3,
+         {"dw_rows": 9, "groups_block": 8, "splits": 2}),
+        (1, 64, 128, 64, (3, 3), (2, 2), 1, (1, 1), False, "float64", None, "channels_last", 6, 6,
+         {"dw_rows": 9, "groups_block": 32, "splits": 1}),
     ]
     out += [Case(6930 + i, n, c, k, g, kern, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
             for i, (n, c, k, g, kern, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(more)]
