@@ -505,6 +505,29 @@ def report_files(paths: list[str]) -> int:
     return 0
 
 
+def print_plans(layers: list[Layer], cells, part: str, arch: str) -> int:
+    """`--plans`: each (layer, cell)'s kernelgen.conv2d specs for `part` (plan(), on meta tensors)
+    for a nominal GPU of `arch`, and a count by family."""
+    from collections import Counter
+
+    from kernelgen.functional import planning_for
+
+    counts = Counter()
+    with planning_for(arch):
+        for layer in layers:
+            for cell in cells:
+                try:
+                    specs = plan(layer, cell, "cuda")[part]
+                except Exception as exc:  # noqa: BLE001 (the row says why)
+                    print(f"{layer.name:28s} {cell:10s} error: {exc}")
+                    continue
+                for s in specs:
+                    counts[s.family] += 1
+                    print(f"{layer.name:28s} {cell:10s} {s.summary()}")
+    print("# " + ", ".join(f"{f} {n}" for f, n in counts.most_common()))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", help=f"comma-separated layer names and groups ({', '.join(GROUPS)}); default "
@@ -519,12 +542,16 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N layers (to go on from a cut run)")
     ap.add_argument("--json", help="write everything here (rewritten after each layer)")
     ap.add_argument("--list", action="store_true", help="print the layers and exit; no GPU")
+    ap.add_argument("--plans", choices=("forward", "dx", "dw"),
+                    help="print what the selector plans for each layer's forward, dx or dw on a nominal GPU "
+                         "of --arch, and exit; no GPU, no compile")
+    ap.add_argument("--arch", default="sm_90a", help="--plans: the nominal GPU's target")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of saved runs and exit; no GPU")
     args = ap.parse_args(argv)
     if args.report:
         return report_files(args.report)
     if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        args.device = "cuda" if torch.cuda.is_available() or args.plans else "cpu"
         if args.device == "cpu" and not args.list:
             print("# no CUDA device: running the CPU path (--device cpu)", flush=True)
     args.cells = _list(args.cells, CELLS, "cell", ap)
@@ -537,6 +564,8 @@ def main(argv=None) -> int:
     layers = layers[args.skip:]
     if args.bias:
         layers = [replace(layer, bias=True) for layer in layers]
+    if args.plans:
+        return print_plans(layers, args.cells, args.plans, args.arch)
     if args.list:
         for layer in layers:
             print(f"{census.describe(layer)}  {layer.kind()}")
