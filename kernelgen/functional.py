@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import numbers
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -71,6 +72,9 @@ class Plan:
 
 
 _plans: dict[Any, Plan] = {}
+# Per thread (autograd runs a device's backward on a thread of its own): while above zero, the calls'
+# weights are transient (transient_weights()).
+_local = threading.local()
 _planning_targets: list["Device"] = []
 _meta_observers: list[Callable[..., None]] = []
 _compiling = torch.compiler.is_compiling
@@ -82,6 +86,20 @@ _tracing_state = torch._C._get_tracing_state
 _profiler = torch.autograd.profiler
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@contextlib.contextmanager
+def transient_weights() -> Iterator[None]:
+    """While active on this thread, the weights conv2d is given are transient, each call's own
+    (the gradients' operands: a flipped weight, grad_out as a kernel), so a kernel that packs its
+    weights packs them into memory of the call's own and keeps nothing: no buffer kept with the
+    weight, no event recorded, no bookkeeping a later call could never use (packs.py keeps a packing
+    for the next call with the same weight)."""
+    _local.transient = getattr(_local, "transient", 0) + 1
+    try:
+        yield
+    finally:
+        _local.transient -= 1
 
 
 @contextlib.contextmanager
@@ -713,7 +731,7 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         ws = torch.empty(plan.ws, dtype=torch.uint8, device=input.device) if plan.ws else None
         pack, ready, wp = None, False, None
         if plan.packed:  # the weights as the kernel packs them: kept with the weight (packs.py), or this call's
-            if plan.pack_once:
+            if plan.pack_once and not getattr(_local, "transient", 0):
                 pack, ready = packs.lookup(weight, plan.key, plan.packed, stream)
             wp = pack.buf if pack is not None else torch.empty(plan.packed, dtype=torch.uint8, device=input.device)
         did_pack = plan.launch(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), *plan.args,

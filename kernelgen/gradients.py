@@ -81,15 +81,50 @@ import torch.nn.functional as F
 
 from .checks import groups_arg, slope_bits
 from .errors import ConvArgumentError
-from .functional import conv2d
+from .functional import conv2d, transient_weights
 from .spec import pair, resolve_padding
 
 __all__ = ["input_grad", "weight_grad", "bias_grad", "activation_grad", "from_output", "backward"]
 
 
+# Memos of what a call's shapes and parameters decide (its geometry; the input gradient's phases), so a
+# training step's later backward calls only look them up. Keys hold plain ints, strings and tuples of
+# ints alone (_memo_key); other arguments (lists, symbolic sizes under torch.compile) are worked out
+# each call. Bounded: past _MEMO_MAX entries nothing more is kept.
+_MEMO_MAX = 4096
+_geometries: dict = {}
+_phase_memo: dict = {}
+
+
+def _plain(v) -> bool:
+    c = v.__class__
+    return c is int or c is str or (c is tuple and all(e.__class__ is int for e in v))
+
+
+def _memo_key(input_shape, weight_shape, stride, padding, dilation, groups):
+    """The geometry's memo key, or None where an argument is not plain (it is then worked out, and
+    explained if wrong, every call)."""
+    try:
+        key = (tuple(input_shape), tuple(weight_shape), stride, padding, dilation, groups)
+    except TypeError:
+        return None
+    return key if all(_plain(v) for v in key) else None
+
+
 def _geometry(input_shape, weight_shape, stride, padding, dilation, groups):
     """(unbatched, (N, C, H, W), (O, Cg, KH, KW), (sh, sw), (top, bottom, left, right), (dh, dw),
-    groups, (P, Q)) for a forward call with these shapes, validated as F.conv2d validates them."""
+    groups, (P, Q)) for a forward call with these shapes, validated as F.conv2d validates them
+    (memoised for plain arguments: a valid key's geometry once, an invalid one raising each call)."""
+    key = _memo_key(input_shape, weight_shape, stride, padding, dilation, groups)
+    geometry = None if key is None else _geometries.get(key)
+    if geometry is None:
+        geometry = _work_out_geometry(input_shape, weight_shape, stride, padding, dilation, groups)
+        if key is not None and len(_geometries) < _MEMO_MAX:
+            _geometries[key] = geometry
+    return geometry
+
+
+def _work_out_geometry(input_shape, weight_shape, stride, padding, dilation, groups):
     input_shape, weight_shape = tuple(int(v) for v in input_shape), tuple(int(v) for v in weight_shape)
     if len(input_shape) not in (3, 4):
         raise ConvArgumentError(f"Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: "
@@ -146,7 +181,8 @@ def _conv(x, w, pads, stride, dilation, groups, precision):
         extra[slot], extra[slot + 1] = lo - sym[-1], hi - sym[-1]
     if any(extra):
         x = F.pad(x, extra)
-    return conv2d(x, w, None, stride, tuple(sym), dilation, groups, precision=precision)
+    with transient_weights():  # (w is this call's own: a flipped weight, or grad_out)
+        return conv2d(x, w, None, stride, tuple(sym), dilation, groups, precision=precision)
 
 
 def _phase(phi: int, k: int, s: int, d: int, pt: int, H: int, P: int):
@@ -176,6 +212,18 @@ def _phase(phi: int, k: int, s: int, d: int, pt: int, H: int, P: int):
     return first, count, slice(taps[0], taps[-1] + 1, step), dil, pad_lo, pad_hi
 
 
+def _phases(KH, KW, s, d, pads, H, W, P, Q) -> tuple:
+    """The input gradient's phases along the rows and along the columns (_phase), memoised."""
+    key = (KH, KW, s, d, pads, H, W, P, Q)
+    phases = _phase_memo.get(key)
+    if phases is None:
+        phases = (tuple(_phase(phi, KH, s[0], d[0], pads[0], H, P) for phi in range(s[0])),
+                  tuple(_phase(phi, KW, s[1], d[1], pads[2], W, Q) for phi in range(s[1])))
+        if len(_phase_memo) < _MEMO_MAX:
+            _phase_memo[key] = phases
+    return phases
+
+
 def input_grad(grad_out: torch.Tensor, weight: torch.Tensor, input_shape, stride=1, padding=0, dilation=1,
                groups: int = 1, *, precision: str | None = None) -> torch.Tensor:
     """The gradient of F.conv2d(input, weight, ...) with respect to its input, given grad_out
@@ -198,8 +246,7 @@ def input_grad(grad_out: torch.Tensor, weight: torch.Tensor, input_shape, stride
     # per group, swap in and out channels: (G*Og, Cg, .) -> (G*Cg, Og, .)
     Og = O // G
     wt = weight.unflatten(0, (G, Og)).transpose(1, 2).reshape(C, Og, KH, KW)
-    phases_h = [_phase(phi, KH, s[0], d[0], pads[0], H, P) for phi in range(s[0])]
-    phases_w = [_phase(phi, KW, s[1], d[1], pads[2], W, Q) for phi in range(s[1])]
+    phases_h, phases_w = _phases(KH, KW, s, d, pads, H, W, P, Q)
     dx = None
     if s == (1, 1) and phases_h[0][2] is not None and phases_w[0][2] is not None:
         # one phase covering every input row: the convolution's output is grad_input itself

@@ -201,3 +201,21 @@ def test_errors():
         gradients.input_grad(dy, w, x.shape, stride=2, padding="same")
     with pytest.raises(ConvArgumentError, match="dtype"):
         gradients.weight_grad(dy, x.double(), w.shape)
+
+
+def test_memoised_geometry_explains_each_bad_call_and_takes_any_argument_form():
+    """The geometry memo (gradients._geometry) keeps valid plain calls only: a bad call raises every
+    time, and lists and tuples give the same gradients as ints."""
+    x = torch.randn(2, 4, 9, 9, dtype=torch.float64)
+    w = torch.randn(6, 4, 3, 3, dtype=torch.float64)
+    dy = torch.randn(2, 6, 9, 9, dtype=torch.float64)
+    for _ in range(2):
+        with pytest.raises(ConvArgumentError, match="groups=3"):
+            gradients.weight_grad(dy, x, w.shape, padding=1, groups=3)
+        with pytest.raises(TypeError, match="groups"):
+            gradients.input_grad(dy, w, x.shape, padding=1, groups=True)
+    want = gradients.input_grad(dy, w, x.shape, 1, 1, 1, 1)
+    for form in (dict(stride=[1, 1], padding=[1, 1]), dict(stride=(1, 1), padding="same"),
+                 dict(stride=1, padding=(1, 1), dilation=[1, 1])):
+        torch.testing.assert_close(gradients.input_grad(dy, w, list(x.shape), **form), want, rtol=0, atol=0)
+    assert all(gradients._plain(v) for key in gradients._geometries for v in key)

@@ -98,6 +98,47 @@ def test_pack_once_off_packs_every_call_into_memory_of_its_own():
     assert not packs._packs
 
 
+def test_transient_weights_pack_every_call_and_keep_nothing_on_this_thread_only():
+    """The gradients' operands (functional.transient_weights): packed each call, nothing kept; a
+    call on another thread meanwhile (autograd's device threads) still keeps its packing."""
+    import threading
+
+    w = torch.randn(8, 4, 1, 1)
+    launch = FakeLaunch()
+    plan, x = _plan(launch, w)
+    before = stats().get("weight_packs", 0)
+    with functional.transient_weights():
+        for _ in range(2):
+            functional._run(plan, x, w, None)
+        other = threading.Thread(target=lambda: functional._run(plan, x, w, None))
+        other.start()
+        other.join()
+    assert [ready for _, ready in launch.calls] == [False, False, False]
+    assert stats()["weight_packs"] - before == 1  # (the other thread's: kept, as outside the context)
+    functional._run(plan, x, w, None)  # the context is over: the other thread's packing is read
+    assert launch.calls[-1][1] is True
+
+
+def test_gradients_mark_their_operands_transient(monkeypatch):
+    """gradients.py runs its convolutions (flipped weights, grad_out as a kernel) as transient."""
+    from kernelgen import gradients
+
+    seen = []
+    real = functional.conv2d
+
+    def spy(*args, **kwargs):
+        seen.append(getattr(functional._local, "transient", 0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gradients, "conv2d", spy)
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    gy = torch.randn(2, 4, 4, 4)
+    gradients.input_grad(gy, w, x.shape)
+    gradients.weight_grad(gy, x, w.shape)
+    assert seen and all(t == 1 for t in seen)
+    assert getattr(functional._local, "transient", 0) == 0
+
+
 def test_pack_once_is_read_from_the_environment(monkeypatch):
     from kernelgen import config
 
