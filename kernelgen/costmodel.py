@@ -30,6 +30,11 @@ PRIORS = {"wgmma": (4e-6, 1.2, 1.4), "mma": (4e-6, 1.3, 1.8), "fma": (3e-6, 1.2,
 # the kernel's structure, not measured (docs/selection.md, "wgrad's cost, derived"): two launches,
 # element-wise loads of whole lines, two thirds of the issue rate.
 FAMILY_PRIORS = {("wgrad", "mma"): (7e-6, 1.3, 1.5), ("wgrad", "fma"): (7e-6, 1.3, 1.5)}
+# Packing a transient weight (Problem.transient: a gradient's operand, packed on every call by a
+# family that packs): a launch, and the weight's bytes at a twelfth of the copy rate. Measured on an
+# H200 (benchmarks/results/h200_backward_profile.md): the repack kernels moved 4.4 MB of weights in
+# 18.5 us and 13.3 MB in 46.6 us, about 0.3 TB/s.
+PACK_LAUNCH_S, PACK_SLOWDOWN = 3e-6, 12.0
 
 
 def estimate(spec: "ConvSpec", problem: "Problem", model=None) -> float:
@@ -54,4 +59,18 @@ def estimate(spec: "ConvSpec", problem: "Problem", model=None) -> float:
     tiles = fam.tiles_of(spec, problem)
     slots = device.sms * 2
     waves = -(-tiles // slots) * slots / tiles if tiles else 1.0
-    return launch + mem * fam.traffic(spec, problem) / device.dram_bytes_s + math_ * fam.work(spec, problem) / rate * waves
+    pack = pack_seconds(spec, problem, device) if problem.transient else 0.0
+    return (launch + mem * fam.traffic(spec, problem) / device.dram_bytes_s
+            + math_ * fam.work(spec, problem) / rate * waves + pack)
+
+
+def pack_seconds(spec: "ConvSpec", problem: "Problem", device) -> float:
+    """What packing the weight costs a call that packs it every time (PACK_* above); 0 for a
+    configuration that reads its weights as they lie (PACKED_BYTES 0)."""
+    from .spec import ELEMENT_BYTES
+
+    if not spec.template_context().get("PACKED_BYTES"):
+        return 0.0
+    kh, kw = spec.kernel_size
+    weight = spec.out_channels * spec.cin_per_group * kh * kw * ELEMENT_BYTES[spec.dtype]
+    return PACK_LAUNCH_S + PACK_SLOWDOWN * weight / device.dram_bytes_s

@@ -362,6 +362,8 @@ def signature(input, weight, bias, stride, padding, dilation, groups, precision,
             math = precision if precision is not None else torch_fp32_conv_math()
         else:
             math = None
+        if getattr(_local, "transient", 0):  # (a plan of its own: the selector counts the packing, costmodel.py)
+            family = ("transient", family)
         return (input.shape, input.stride(), dtype, input.device, weight.shape, weight.stride(), weight.dtype,
                 weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
                 stride if stride.__class__ is int else _key(stride),
@@ -425,7 +427,8 @@ def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, gr
         if vcall.channels_last == call.channels_last:  # (a degenerate view could look channels_last)
             return specs, dataclasses.replace(vcall, sample=sample)
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
-    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, device=_target(input, device))
+    problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, device=_target(input, device),
+                      transient=bool(getattr(_local, "transient", 0)))
     return select.ranked(params, device, problem, call.channels_last, math, family=family, tiles=tiles,
                          every=every), call
 

@@ -122,7 +122,9 @@ def resolve_padding(padding: Any, kernel: tuple[int, int], stride: tuple[int, in
 @dataclass(frozen=True)
 class Problem:
     """Runtime sizes of one call: batch, input height/width, output height/width, and the GPU the
-    kernel will run on (kernelgen.device.Device; None on the CPU or where no GPU is known)."""
+    kernel will run on (kernelgen.device.Device; None on the CPU or where no GPU is known).
+    `transient`: the call's weight is its own (a gradient's operand: functional.transient_weights),
+    so a kernel that packs its weights packs them on every call, and the selector counts that."""
 
     N: int
     H: int
@@ -130,6 +132,7 @@ class Problem:
     P: int
     Q: int
     device: Any = None
+    transient: bool = False
 
     @property
     def arch(self) -> str:
