@@ -145,3 +145,32 @@ def test_no_family_or_selector_module_holds_a_gpus_numbers(path):
     code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
     code = re.sub(r'"""(.|\n)*?"""', "", code)  # docstrings may cite a card's numbers
     assert not GPU_LITERALS.search(code), GPU_LITERALS.search(code).group(0)
+
+
+def test_a_transient_weight_charges_its_packing_to_families_that_pack():
+    """Problem.transient (a gradient's operand): a family that packs its weights pays the packing in
+    the estimate, one that reads them as they lie does not; transient calls plan apart."""
+    import dataclasses
+
+    import torch
+
+    from kernelgen import costmodel, functional
+
+    dev = nominal("sm_90a")
+    x = torch.empty(32, 256, 14, 14, dtype=torch.bfloat16, device="meta").contiguous(memory_format=torch.channels_last)
+    w = torch.empty(1024, 32, 14, 14, dtype=torch.bfloat16, device="meta")
+    with functional.planning_for(dev):
+        specs, call = functional.candidates_for(x.permute(1, 0, 2, 3), w, None, device="cuda")
+    problem = Problem(call.N, call.H, call.W, call.P, call.Q, device=dev)
+    moved = dataclasses.replace(problem, transient=True)
+    by_family = {s.family: s for s in specs}
+    packs, reads = by_family["nhwc_tma"], by_family["wgrad"]
+    assert packs.template_context()["PACKED_BYTES"] and not reads.template_context()["PACKED_BYTES"]
+    extra = costmodel.estimate(packs, moved) - costmodel.estimate(packs, problem)
+    assert extra == pytest.approx(costmodel.pack_seconds(packs, problem, dev)) and extra > 20e-6
+    assert costmodel.estimate(reads, moved) == costmodel.estimate(reads, problem)
+    a = torch.randn(1, 3, 5, 5)
+    b = torch.randn(4, 3, 3, 3)
+    with functional.transient_weights():
+        inside = functional.signature(a, b, None, 1, 0, 1, 1, None, None, None)
+    assert inside != functional.signature(a, b, None, 1, 0, 1, 1, None, None, None)
