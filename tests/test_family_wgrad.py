@@ -6,7 +6,8 @@ and that its own first choice comes first; its tile limits (shared memory on the
 and the reasons it names; that its splits keep thousands of terms each, fill the GPU where the
 reduction allows and bound the workspace, whose bytes the module declares; that the selector
 plans the lowered weight gradients of the KernelBench cases and of census layers onto it on a
-nominal H100, and ordinary forward layers not; the depthwise mode's legality, its choice for
+nominal H100, and ordinary forward layers not; the 16-byte loads' kernels, their staging tiles'
+banks (a model of them) and that every path lowers without spills (nvcc); the depthwise mode's legality, its choice for
 depthwise weight gradients (and nowhere else) and that it lowers without spills (nvcc). Numerics and determinism are the GPU tier's
 (tests/test_gpu.py: make_wgrad_cases, test_weight_grad_through_wgrad_is_bit_identical).
 """
@@ -144,6 +145,119 @@ def test_tiles_and_splits_are_a_function_of_the_call():
     # forced tiles hold, the rest chosen around them
     t = FAM.default_tiles(base, problem, fixed=dict(splits=3))
     assert t["splits"] == 3
+
+
+# ---- the 16-byte loads (p.a_vec, p.b_vec) and the skewed staging tiles ----------------------------
+
+def _gemm_spec(dtype, math, bm, bn, **kw):
+    return _spec(16, 64, dict(block_m=bm, block_n=bn, splits=8), dtype=dtype, math=math, kernel=(5, 5), **kw)
+
+
+@pytest.mark.parametrize("dtype,math", [("bfloat16", "ieee"), ("float16", "ieee"), ("float32", "tf32"),
+                                        ("float32", "ieee"), ("float64", "ieee")])
+def test_rendered_kernel_carries_the_16_byte_path(dtype, math):
+    spec = _gemm_spec(dtype, math, 128, 16)
+    ctx, src = spec.template_context(), render(spec).cuda
+    # the launch decides each operand from the call's pointers, strides and sizes; one kernel each way
+    assert "p.a_vec = A_VEC_OK && p.a_kfast == 0" in src and "p.b_vec = B_VEC_OK && p.b_kfast == 0" in src
+    assert "reinterpret_cast<uintptr_t>(a->x) % 16 == 0" in src and "reinterpret_cast<uintptr_t>(a->w) % 16 == 0" in src
+    for av, bv in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        assert f"kg_wgrad_kernel<{'true' if av else 'false'}, {'true' if bv else 'false'}>" in src
+    assert src.count("__ldg(reinterpret_cast<const uint4*>") == 2  # A's run and B's
+    # the staging tiles: groups of 8 rows skewed, and the shared memory they take
+    es = {"float64": 8, "float32": 4}.get(dtype, 2)
+    assert (ctx["SKEW_A"], ctx["SKEW_B"]) == (W.skew(128, es), W.skew(16, es))
+    assert f"constexpr int SKEW_A = {ctx['SKEW_A']}, SKEW_B = {ctx['SKEW_B']};" in src
+    ldk = ctx["LDK"]
+    tiles = 128 * ldk + 16 * ctx["SKEW_A"] + 16 * ldk + 2 * ctx["SKEW_B"]
+    assert ctx["SMEM_BYTES"] == (3 * 128 + 16) * 8 + 2 * tiles * es
+    # the depthwise mode loads element by element and has no GEMM kernel
+    dsrc = render(_dwspec(64, 8, 1, (28, 28), {}, dtype=dtype, math=math)).cuda
+    assert "p.a_vec = p.b_vec = 0;" in dsrc and "kg_wgrad_kernel<" not in dsrc
+
+
+def _banks(addresses, esize):
+    """Shared-memory wavefronts of one warp instruction (element addresses, one a lane) over what
+    its bytes need at least; 8-byte accesses a half-warp at a time."""
+    def wavefronts(addrs):  # (taken, least)
+        banks = {}
+        for a in addrs:
+            for w in range(max(esize // 4, 1)):
+                word = a * esize // 4 + w
+                banks.setdefault(word % 32, set()).add(word)
+        words = sum(len(v) for v in banks.values())
+        return max(len(v) for v in banks.values()), max(1, -(-words * 4 // 128))
+    parts = [addresses[:16], addresses[16:]] if esize == 8 and len(addresses) > 16 else [addresses]
+    return sum(wavefronts(a)[0] for a in parts) / sum(wavefronts(a)[1] for a in parts)
+
+
+@pytest.mark.parametrize("dtype,math", [("bfloat16", "ieee"), ("float32", "tf32"), ("float32", "ieee"),
+                                        ("float64", "ieee")])
+def test_skewed_tiles_keep_stores_and_fragments_on_distinct_banks(dtype, math):
+    """The staged tile's row r at r * LDK + (r / 8) * skew (the kernel's srow): a 16-byte run's stores
+    (one element a row, down a k column), the element path's stores (both lane mappings), the MMA
+    fragments' reads and the FMA path's A reads each take the fewest wavefronts their bytes allow,
+    on every tile (the FMA's B reads of 64 columns conflict 2-way, skewed or not, as before); without
+    the skew the runs' stores of 16-bit rows would conflict 8-way."""
+    es = {"float64": 8, "float32": 4}.get(dtype, 2)
+    vec, bk, nth = 16 // es, W.BK, W.NTH
+    for bm, bn in ((64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64)):
+        spec = _gemm_spec(dtype, math, bm, bn)
+        if dtype in ("bfloat16", "float64") or math == "tf32":
+            try:
+                FAM.check(spec)
+            except Unsupported:
+                continue
+        lay = W.layout(spec, bm, bn)
+        ldk = lay["LDK"]
+
+        def at(r, k, sk):
+            return r * ldk + (r >> 3) * sk + k
+
+        worst = []
+        for rows, sk in ((bm, lay["SKEW_A"]), (bn, lay["SKEW_B"])):
+            tpk = W.vector_runs(rows, es)
+            for w in range(nth // 32):
+                lanes = [t for t in range(32 * w, 32 * w + 32) if t < tpk * bk]
+                for i in range(rows // vec // tpk if lanes else 0):
+                    for e in range(vec):  # the runs' stores
+                        worst.append(_banks([at((t % tpk + tpk * i) * vec + e, t // tpk, sk) for t in lanes], es))
+                        if es == 2 and rows == bm:  # (and what they would be unskewed)
+                            assert _banks([at((t % tpk + tpk * i) * vec + e, t // tpk, 0) for t in lanes], es) == 8
+                for i in range(rows // 8):  # the element path's, lanes along the rows or along k
+                    for kfast in (0, 1):
+                        lanes = range(32 * w, 32 * w + 32)
+                        worst.append(_banks([at((t // bk if kfast else t % 8) + 8 * i, t % bk if kfast else t // 8, sk)
+                                             for t in lanes], es))
+        if W.mma(spec):  # fragments: rows base + lane / 4 (+ 8), k = lane % 4 (pairs of 16-bit)
+            for rows, warps, step, sk in ((bm, lay["WARPS_M"], 16, lay["SKEW_A"]), (bn, lay["WARPS_N"], 8, lay["SKEW_B"])):
+                for base in range(0, rows, step):
+                    for half in (0, 8) if step == 16 else (0,):
+                        addr = [at(base + half + lane // 4, (2 if es == 2 else 1) * (lane % 4), sk) // (2 if es == 2 else 1)
+                                for lane in range(32)]
+                        worst.append(_banks(addr, 4 if es == 2 else es))
+        else:  # FMA: a thread's rows tr + TROW i of A, columns tc + TCOL j of B, one k (broadcasts)
+            tcol = bn // 4
+            trow = nth // tcol
+            for w in range(nth // 32):
+                lanes = range(32 * w, 32 * w + 32)
+                for i in range(bm // trow):
+                    worst.append(_banks([at(t // tcol + trow * i, 0, lay["SKEW_A"]) for t in lanes], es))
+        assert max(worst) == 1, (bm, bn, max(worst))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("dtype,math,bm,bn", [("bfloat16", "ieee", 128, 64), ("float16", "ieee", 64, 16),
+                                              ("float32", "tf32", 128, 32), ("float32", "ieee", 64, 32),
+                                              ("float64", "ieee", 64, 16)])
+def test_every_path_lowers_with_16_byte_loads_and_without_spills(dtype, math, bm, bn, tmp_path):
+    """Four kernels (A's and B's 16-byte path or element path), each without spills; the 16-byte
+    ones load with ld.global.nc.v4."""
+    ptx, report = lower(_gemm_spec(dtype, math, bm, bn), tmp_path)
+    assert len(re.findall(r"Compiling entry function '\w*kg_wgrad_kernel\w*'", report)) == 4, report
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and not any(spills), report
+    assert "ld.global.nc.v4" in ptx
 
 
 # ---- what the selector plans (nominal H100: the H200 table's rows, no GPU) ---------------------

@@ -58,7 +58,8 @@ class Case:
     dtype: str
     precision: str | None
     layout: str  # contiguous, channels_last, weight_channels_last, cl_both (input and weight
-    # channels_last), strided_view, offset, cl_offset, weight_slice, cl_weight_slice
+    # channels_last), strided_view, offset, cl_offset, weight_slice, cl_weight_slice; a lowered
+    # weight gradient's (_lowered_tensors): lowered, lowered_cl, lowered_cl_wslice, lowered_cl_cslice
     H: int
     W: int
     family: str | None
@@ -965,6 +966,47 @@ def make_wgrad_cases() -> list[Case]:
     return out
 
 
+def make_wgrad_vector_cases() -> list[Case]:
+    """`wgrad`'s 16-byte loads (p.a_vec, p.b_vec: runs of 16 bytes of x's rows, the lowered batch =
+    the forward's channels, and of dY's channels) where the launch must take them, and where it
+    must not: channels_last x and dY with Cg and O whole runs (8 16-bit, 4 float32, 2 float64
+    elements) in every dtype and math, tiles 64 and 128 x 16, 32 and 64 (2, 4 and 8 threads a k of
+    B's runs), rows and columns past the last whole tile, windows past every edge, empty splits; x a
+    grouped copy (its element path) beside dY's runs; one operand's runs, the other's elements (a
+    count short of a run); views of wider channels_last tensors, columns 1.. (from C elements in:
+    still 16-byte runs) and channels 1.. (one element past a 16-byte boundary: element by element);
+    odd channel counts. Numbered 7760 on (`-k "sweep_against_float64 and (776 or 777)"`)."""
+    rows = [  # Cg, G*Nb, O, G, (P, Q), stride, padding, dilation, bias, dtype, precision, layout, H, W, tiles
+        # both operands' runs
+        (16, 4, 32, 1, (12, 12), (1, 1), 1, (1, 1), True, "bfloat16", None, "lowered_cl", 12, 12, {}),
+        (24, 3, 72, 1, (9, 10), (2, 1), (1, 2), (1, 1), False, "float16", None, "lowered_cl", 20, 14,
+         {"block_m": 128, "block_n": 64, "splits": 4}),
+        (12, 5, 20, 1, (7, 7), (1, 1), 1, (2, 2), True, "float32", "tf32", "lowered_cl", 15, 15, {"block_n": 16}),
+        (8, 6, 12, 1, (5, 6), (1, 1), 0, (1, 1), False, "float32", "ieee", "lowered_cl", 9, 10,
+         {"block_m": 128, "block_n": 64, "splits": 6}),
+        (6, 4, 10, 1, (6, 5), (1, 2), 2, (1, 1), True, "float64", None, "lowered_cl", 8, 11, {"block_m": 128, "splits": 3}),
+        (32, 2, 48, 1, (6, 6), (1, 1), 0, (1, 1), True, "bfloat16", None, "lowered_cl", 8, 8,
+         {"block_m": 128, "block_n": 16}),
+        (16, 2, 64, 1, (6, 6), (1, 1), 1, (1, 1), False, "float16", None, "lowered_cl", 6, 6, {"block_n": 32, "splits": 2}),
+        (8, 1, 8, 1, (3, 3), (1, 1), 0, (1, 1), True, "bfloat16", None, "lowered_cl", 4, 5, {"splits": 24}),
+        # x' a grouped copy (elements), dY's runs a group; one operand's runs, the other's elements
+        (8, 2 * 3, 32, 2, (8, 8), (1, 1), 1, (1, 1), False, "bfloat16", None, "lowered_cl", 8, 8, {"splits": 2}),
+        (16, 3, 20, 1, (10, 10), (1, 1), 1, (1, 1), False, "bfloat16", None, "lowered_cl", 10, 10, {"block_n": 32}),
+        (10, 3, 24, 1, (10, 10), (1, 1), 1, (1, 1), False, "float16", None, "lowered_cl", 10, 10, {"block_n": 16}),
+        # views: columns 1.. of wider tensors (runs), channels 1.. (elements)
+        (16, 3, 32, 1, (7, 7), (1, 1), 1, (1, 1), True, "bfloat16", None, "lowered_cl_wslice", 9, 9, {}),
+        (8, 3, 12, 1, (7, 7), (1, 1), 1, (1, 1), False, "float32", "tf32", "lowered_cl_wslice", 9, 9, {}),
+        (16, 3, 32, 1, (7, 7), (1, 1), 1, (1, 1), False, "bfloat16", None, "lowered_cl_cslice", 9, 9, {}),
+        (8, 2, 16, 1, (7, 7), (1, 1), 1, (1, 1), True, "float64", None, "lowered_cl_cslice", 9, 9, {}),
+        # odd channel counts: elements
+        (7, 3, 9, 1, (6, 6), (1, 1), 1, (1, 1), False, "float16", None, "lowered_cl", 8, 8, {}),
+        (12, 3, 30, 1, (6, 6), (1, 1), 1, (1, 1), True, "bfloat16", None, "lowered_cl", 8, 8, {}),
+        (5, 3, 6, 1, (6, 6), (1, 1), 1, (1, 1), False, "float32", "ieee", "lowered_cl", 8, 8, {}),
+    ]
+    return [Case(7760 + i, n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, "wgrad", tuple(sorted(t.items())))
+            for i, (n, c, k, g, pq, st, pad, dil, b, dt, prec, lay, h, w, t) in enumerate(rows)]
+
+
 def make_pointwise_tile_cases() -> list[Case]:
     """`pointwise_tile` (1x1 NCHW TF32, one block a tile of 128 pixels and 128 output channels, or
     64 for layers of up to 64: K 40, 64 and 1 below): case 87's channels, input channels short of a
@@ -1275,22 +1317,35 @@ def _lowered_tensors(case: Case, g: torch.Generator, device: str):
     """A weight gradient's own forward operands (gradients.weight_grad): the case is the lowered
     convolution (batch Cg, C = G x the forward's batch Nb, K = O, the kernel dY's plane), its
     input the forward's x (Nb, G*Cg, H, W) seen as (Cg, G*Nb, H, W), its weight dY (Nb, O, P, Q) seen
-    as (O, Nb, P, Q); NCHW ('lowered') or channels_last ('lowered_cl') x and dY."""
+    as (O, Nb, P, Q); NCHW ('lowered') or channels_last ('lowered_cl') x and dY, or channels_last
+    views of wider tensors: columns 1.. ('lowered_cl_wslice': C and O elements past their starts) or
+    channels 1.. ('lowered_cl_cslice': one element past, strides of C + 1 and O + 1)."""
     dt, G, Cg = DTYPES[case.dtype], case.groups, case.N
     Nb = case.C // G
     x = torch.randn(Nb, G * Cg, case.H, case.W, generator=g).to(device=device, dtype=dt)
     dy = torch.randn(Nb, case.K, *case.kernel, generator=g).to(device=device, dtype=dt)
-    if case.layout == "lowered_cl":
+    if case.layout != "lowered":
         x, dy = x.contiguous(memory_format=torch.channels_last), dy.contiguous(memory_format=torch.channels_last)
+    if case.layout in ("lowered_cl_wslice", "lowered_cl_cslice"):
+        x, dy = (_cl_slice(t, 3 if case.layout == "lowered_cl_wslice" else 1, device) for t in (x, dy))
     xs = x.unflatten(1, (G, Cg)).permute(2, 1, 0, 3, 4).reshape(Cg, G * Nb, case.H, case.W)
     b = torch.randn(case.K, generator=g).to(device=device, dtype=dt) if case.bias else None
     return xs, dy.transpose(0, 1), b
 
 
+def _cl_slice(t: torch.Tensor, dim: int, device: str) -> torch.Tensor:
+    """t's values in a channels_last tensor one wider along `dim`, seen without its first index there."""
+    shape = list(t.shape)
+    shape[dim] += 1
+    big = torch.zeros(shape, dtype=t.dtype, device=device).contiguous(memory_format=torch.channels_last)
+    view = big.narrow(dim, 1, t.shape[dim])
+    return view.copy_(t) if device != "meta" else view
+
+
 def make_tensors(case: Case, device: str = "cuda", seed: int | None = None):
     g = torch.Generator().manual_seed(case.idx if seed is None else seed)
     dt = DTYPES[case.dtype]
-    if case.layout in ("lowered", "lowered_cl"):
+    if case.layout.startswith("lowered"):
         return _lowered_tensors(case, g, device)
     shape = (case.C, case.H, case.W) if case.N == 0 else (case.N, case.C, case.H, case.W)
     if case.layout == "strided_view":
@@ -1487,6 +1542,7 @@ CASES = (make_cases(N_CASES) + (make_wgmma_cases(48) + make_overlap_cases(24) + 
          make_stem_nhwc_cases(48) +
          make_weight_layout_cases(HOPPER) + make_candidate_cases(48) + make_gemv_cases(64) + make_wgrad_cases())
 CASES += make_epilogue_cases(CASES)
+CASES += make_wgrad_vector_cases()  # (after the epilogues' draw, which they would change)
 
 # `pytest -m gpu -k stage_out` runs the staged-epilogue cases alone, `-k overlap` the overlapped
 # ones, `-k ws` the producer-warpgroup ones (the fixture below compiles only what the selected
@@ -1803,6 +1859,47 @@ def test_weight_grad_through_wgrad_is_bit_identical(dtype, channels_last):
         assert err <= 1.5 * rel_err(wt.grad, ref), (err, rel_err(wt.grad, ref))
 
 
+@pytest.mark.parametrize("dtype,precision", [(torch.bfloat16, None), (torch.float16, None), (torch.float32, "tf32"),
+                                             (torch.float32, "ieee"), (torch.float64, None)])
+def test_wgrad_16_byte_loads_stage_the_element_paths_bits(dtype, precision):
+    """wgrad's 16-byte loads stage the values its element path stages, so a call gives the same bits
+    either way: one lowered weight gradient (channels_last x and dY: runs of Cg = 16 rows and O = 24
+    columns from 16-byte boundaries) with x, dY, both or neither one element past a 16-byte boundary
+    (the same strides; the launch then loads that operand element by element), each against the
+    aligned call's bits, and that one within the sweep's accuracy rules against float64."""
+    g = torch.Generator().manual_seed(17)
+    Nb, Cg, O, H, W_, P, Q = 3, 16, 24, 13, 12, 11, 10
+    x = torch.randn(Nb, Cg, H, W_, generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(Nb, O, P, Q, generator=g).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
+
+    def shifted(t):  # the same values and strides, the data one element past a 16-byte boundary
+        n, c, h, w = t.shape
+        view = torch.empty(t.numel() + 1, device="cuda", dtype=dtype)[1:].view(n, h, w, c).permute(0, 3, 1, 2)
+        return view.copy_(t)
+
+    def lowered(xt, dyt):  # weight_grad's operands: x as (Cg, Nb, H, W), dY as (O, Nb, P, Q), views
+        return xt.unflatten(1, (1, Cg)).permute(2, 1, 0, 3, 4).reshape(Cg, Nb, H, W_), dyt.transpose(0, 1)
+
+    kw = dict(stride=(1, 2), padding=1, dilation=(1, 1), groups=1)
+    tiles = dict(block_m=64, block_n=32, splits=3, dw_rows=0, groups_block=0)
+    runs = {}
+    for xa, da in ((True, True), (False, True), (True, False), (False, False)):
+        xs, ws = lowered(x if xa else shifted(x), dy if da else shifted(dy))
+        assert (xs.data_ptr() % 16 == 0) == xa and (ws.data_ptr() % 16 == 0) == da
+        assert xs.stride() == (1, H * W_ * Cg, W_ * Cg, Cg) and ws.stride() == (1, P * Q * O, Q * O, O)
+        runs[xa, da] = kernelgen.conv2d(xs, ws, None, **kw, precision=precision, family="wgrad", tiles=tiles)
+    torch.cuda.synchronize()
+    first = runs[True, True]
+    assert torch.isfinite(first).all()
+    for key, y in runs.items():
+        assert torch.equal(y, first), f"x aligned {key[0]}, dY aligned {key[1]}: bits differ from the 16-byte path's"
+    xs, ws = lowered(x, dy)
+    ref = F.conv2d(xs.double(), ws.double(), None, **kw)
+    case = Case(0, Cg, Nb, O, 1, (P, Q), kw["stride"], 1, kw["dilation"], False,
+                {v: k for k, v in DTYPES.items()}[dtype], precision, "lowered_cl", H, W_, "wgrad")
+    assert rel_err(first, ref) <= tolerance(case, xs, ws, None, ref)
+
+
 MEMCHECK = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
@@ -1975,6 +2072,13 @@ MEMCHECK = textwrap.dedent("""
                      dilation=(2, 2), tiles={{"splits": 3}})
                 conv(xs, dy.transpose(0, 1), None, family="wgrad", stride=2, padding=1, groups=2,
                      dilation=(2, 2), tiles={{"splits": 96, "block_m": 128}})
+            # the 16-byte loads: channels_last x of 16 channels (runs of 8 or 4 rows, windows past every
+            # edge, rows past the last whole tile) and dY of 24 (whole runs past the group's channels)
+            xo = torch.randn(3, 16, 13, 11, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+            dy = torch.randn(3, 24, 7, 6, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+            xs = xo.unflatten(1, (1, 16)).permute(2, 1, 0, 3, 4).reshape(16, 3, 13, 11)
+            for t in ({{"block_n": 16, "splits": 3}}, {{"block_m": 128, "block_n": 64, "splits": 96}}):
+                conv(xs, dy.transpose(0, 1), None, family="wgrad", stride=2, padding=1, dilation=(2, 2), tiles=t)
             run("wgrad", dtype, (2, 12, 9, 10), (20, 4, 3, 3), groups=3, padding=(1, 2), tiles={{"block_n": 16}})
             run_cl(dtype, (2, 16, 9, 10), (40, 16, 3, 3), 1, family="wgrad", padding=1, tiles={{"splits": 2}})
         if "depthwise" in fams:

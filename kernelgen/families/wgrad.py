@@ -11,7 +11,11 @@ GEMM view, per group: rows = output pixels (batch x P x Q), columns = the group'
 reduction = (input channel, tap row, tap column). Both operands are read through the call's
 strides (layout 'any'), with the lanes of a warp along whichever index of each operand lies
 closest in memory (the reduction's columns for NCHW tensors, the rows' batch or dY's channels for
-channels_last ones), decided per launch. Tensor cores (mma.sync) for TF32 and 16-bit, FFMA for
+channels_last ones), decided per launch. Where those rows (columns) lie one element apart from a
+16-byte boundary, a batch (dY's channels of a group) a whole number of 16-byte runs and every other
+stride a multiple of one, a thread loads a run of 16 / element-size rows for one k at once
+(p.a_vec, p.b_vec: the launch decides each operand from its pointer, strides and sizes; elsewhere
+element by element, the same staged values). Tensor cores (mma.sync) for TF32 and 16-bit, FFMA for
 strict float32, DFMA for float64. The fused epilogue (scale, bias, residual, activation) is applied
 where the splits' sums are added, the one place the output is written.
 
@@ -63,14 +67,36 @@ def mma(spec: "ConvSpec") -> bool:
     return spec.dtype in ("float16", "bfloat16") or (spec.dtype == "float32" and spec.math == "tf32")
 
 
+def vector_runs(rows: int, esize: int) -> int:
+    """Threads a k of the 16-byte load path: a tile's `rows` (block_m of A, block_n of B) in runs
+    of 16 / esize consecutive rows (one 16-byte load each), up to 8 runs a k (a warp: 8 runs x 4 k,
+    128 contiguous bytes a k where the tile's rows lie dense); fewer where the tile has fewer runs."""
+    return min(rows * esize // 16, 8)
+
+
+def skew(rows: int, esize: int) -> int:
+    """Elements each group of 8 staged rows lies past the last, beyond its rows' LDK. Without it a
+    16-byte load's run of rows stored one element a row (a k column) puts every run of a warp on
+    the same banks (8 rows x 20 words of 16-bit elements are 160 words, a multiple of 32): 8-way
+    conflicts in 16 bits, 4-way in float32. With 32 / runs elements (float64: 16 / runs) the runs
+    a store instruction covers fall on disjoint banks, while a fragment's (or the scalar path's) 8
+    rows share one group and keep their banks."""
+    return (16 if esize == 8 else 32) // vector_runs(rows, esize)
+
+
 def layout(spec: "ConvSpec", block_m: int, block_n: int) -> dict[str, int]:
     """The tile's constants, shared by the checks and the template: warps over rows and columns
-    (MMA), the staged row's length and the shared memory. A staged row of 4-byte elements is 36
-    words and of 2-byte ones 20: the eight rows of a fragment load fall on different banks."""
+    (MMA), the staged row's length, each tile's skew and the shared memory. A staged row of 4-byte
+    elements is 36 words and of 2-byte ones 20: the eight rows of a fragment load fall on different
+    banks."""
     warps_n = 4 if (block_m, block_n) == (64, 64) else 2
-    ldk = {8: BK + 2, 4: BK + 4, 2: BK + 8}[_esize(spec)]
-    smem = (3 * block_m + block_n) * 8 + 2 * (block_m + block_n) * ldk * _esize(spec)
-    return {"WARPS_M": NTH // 32 // warps_n, "WARPS_N": warps_n, "LDK": ldk, "SMEM_BYTES": smem}
+    es = _esize(spec)
+    ldk = {8: BK + 2, 4: BK + 4, 2: BK + 8}[es]
+    skew_a, skew_b = skew(block_m, es), skew(block_n, es)
+    tiles = block_m * ldk + block_m // 8 * skew_a + block_n * ldk + block_n // 8 * skew_b
+    smem = (3 * block_m + block_n) * 8 + 2 * tiles * es
+    return {"WARPS_M": NTH // 32 // warps_n, "WARPS_N": warps_n, "LDK": ldk, "SKEW_A": skew_a, "SKEW_B": skew_b,
+            "SMEM_BYTES": smem}
 
 
 def dw_acc_max(spec: "ConvSpec") -> int:
