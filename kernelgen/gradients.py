@@ -291,6 +291,12 @@ def weight_grad(grad_out: torch.Tensor, input: torch.Tensor, weight_shape, strid
     if N == 0:
         return torch.zeros((O, Cg, KH, KW), dtype=dy.dtype, device=dy.device)
     x = input.unsqueeze(0) if unbatched else input
+    if G > 1 and N > 1 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        # input' below is a copy: from channels_last, make x NCHW first. That transpose reads one
+        # image at a time (its pixels' channels together), and the copy below then moves whole planes.
+        # Copied at once, input''s order (group, image, pixel) revisits every pixel's channels once a
+        # group, far apart: 28 ms for case 84's 2 GB on an H200 (benchmarks/results/h200_backward_profile.md).
+        x = x.contiguous()
     # input' (Cg, G*N, H, W): channel g*N + n is image n's channel g*Cg + c (a view when G == 1)
     xs = x.unflatten(1, (G, Cg)).permute(2, 1, 0, 3, 4).reshape(Cg, G * N, H, W)
     # weight' (O, N, P, Q): always a view
