@@ -224,6 +224,13 @@ def _phases(KH, KW, s, d, pads, H, W, P, Q) -> tuple:
     return phases
 
 
+def _flipped(w: torch.Tensor) -> torch.Tensor:
+    """w with its kernel reversed along rows and columns: a copy along the dimensions longer than
+    one tap, the view itself where neither is (a 1x1 kernel's flip is itself: no copy, no launch)."""
+    dims = [d for d in (2, 3) if w.shape[d] > 1]
+    return w.flip(dims) if dims else w
+
+
 def input_grad(grad_out: torch.Tensor, weight: torch.Tensor, input_shape, stride=1, padding=0, dilation=1,
                groups: int = 1, *, precision: str | None = None) -> torch.Tensor:
     """The gradient of F.conv2d(input, weight, ...) with respect to its input, given grad_out
@@ -252,7 +259,7 @@ def input_grad(grad_out: torch.Tensor, weight: torch.Tensor, input_shape, stride
         # one phase covering every input row: the convolution's output is grad_input itself
         _, _, th, dil_h, lo_h, hi_h = phases_h[0]
         _, _, tw, dil_w, lo_w, hi_w = phases_w[0]
-        dx = _conv(dy, wt.flip(2, 3), (lo_h, hi_h, lo_w, hi_w), 1, (dil_h, dil_w), G, precision)
+        dx = _conv(dy, _flipped(wt), (lo_h, hi_h, lo_w, hi_w), 1, (dil_h, dil_w), G, precision)
         if dx is not None and fmt is torch.channels_last:
             dx = dx.contiguous(memory_format=fmt)
     if dx is None:
@@ -263,7 +270,7 @@ def input_grad(grad_out: torch.Tensor, weight: torch.Tensor, input_shape, stride
                     continue  # no input row, or no tap: zero gradient
                 fh, nh, th, dil_h, lo_h, hi_h = ph
                 fw, nw, tw, dil_w, lo_w, hi_w = pw
-                part = _conv(dy, wt[:, :, th, tw].flip(2, 3), (lo_h, hi_h, lo_w, hi_w), 1, (dil_h, dil_w), G,
+                part = _conv(dy, _flipped(wt[:, :, th, tw]), (lo_h, hi_h, lo_w, hi_w), 1, (dil_h, dil_w), G,
                              precision)
                 if part is not None:
                     dx[:, :, fh::s[0], fw::s[1]] = part

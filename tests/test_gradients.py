@@ -219,3 +219,26 @@ def test_memoised_geometry_explains_each_bad_call_and_takes_any_argument_form():
                  dict(stride=1, padding=(1, 1), dilation=[1, 1])):
         torch.testing.assert_close(gradients.input_grad(dy, w, list(x.shape), **form), want, rtol=0, atol=0)
     assert all(gradients._plain(v) for key in gradients._geometries for v in key)
+
+
+def test_a_1x1_input_gradient_flips_nothing(monkeypatch):
+    """A 1x1 kernel is its own flip: the input gradient reads the weight's transposed view, with no
+    flip (a copy and a launch per backward); a 1x3 kernel flips its columns only."""
+    flips = []
+    real = torch.Tensor.flip
+
+    def spy(self, *dims):
+        flips.append(tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims)
+        return real(self, *dims)
+
+    monkeypatch.setattr(torch.Tensor, "flip", spy)
+    x = torch.randn(2, 4, 7, 7, dtype=torch.float64)
+    for kernel, want in (((1, 1), []), ((1, 3), [(3,)])):
+        w = torch.randn(6, 4, *kernel, dtype=torch.float64)
+        dy = torch.randn(2, 6, 7, 7 - kernel[1] + 1, dtype=torch.float64)
+        flips.clear()
+        got = gradients.input_grad(dy, w, x.shape)
+        assert flips == want
+        xr = x.clone().requires_grad_()
+        (ref,) = torch.autograd.grad(F.conv2d(xr, w), xr, dy)
+        torch.testing.assert_close(got, ref)
