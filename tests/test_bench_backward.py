@@ -168,3 +168,13 @@ def test_a_gradient_is_flagged_past_one_and_a_half_torch_error_and_the_float32_b
     assert all(off[g]["flagged"] and off[g]["ratio"] > 1.5 for g in ("dx", "dw", "db"))
     bad = bench.accuracy(layer, "bf16", x, w, b, gy, {"kernelgen": scaled(1.0, nan=True), "torch": grads})
     assert bad["dw"]["flagged"] and not bad["dw"]["finite"] and not bad["dx"]["flagged"]
+
+
+def test_profile_backward_imports_and_asks_for_a_gpu(capsys):
+    """benchmarks/profile_backward.py (a GPU tool) loads beside bench_backward and says what it needs."""
+    import profile_backward
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU: the tool would run")
+    assert profile_backward.main(["r50.l3.3x3"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
