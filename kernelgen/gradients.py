@@ -252,7 +252,7 @@ def input_grad(grad_out: torch.Tensor, weight: torch.Tensor, input_shape, stride
         memory_format=torch.channels_last) and not dy.is_contiguous()) else torch.contiguous_format
     # per group, swap in and out channels: (G*Og, Cg, .) -> (G*Cg, Og, .)
     Og = O // G
-    wt = weight.unflatten(0, (G, Og)).transpose(1, 2).reshape(C, Og, KH, KW)
+    wt = weight.transpose(0, 1) if G == 1 else weight.unflatten(0, (G, Og)).transpose(1, 2).reshape(C, Og, KH, KW)
     phases_h, phases_w = _phases(KH, KW, s, d, pads, H, W, P, Q)
     dx = None
     if s == (1, 1) and phases_h[0][2] is not None and phases_w[0][2] is not None:
@@ -305,7 +305,7 @@ def weight_grad(grad_out: torch.Tensor, input: torch.Tensor, weight_shape, strid
         # group, far apart: 28 ms for case 84's 2 GB on an H200 (benchmarks/results/h200_backward_profile.md).
         x = x.contiguous()
     # input' (Cg, G*N, H, W): channel g*N + n is image n's channel g*Cg + c (a view when G == 1)
-    xs = x.unflatten(1, (G, Cg)).permute(2, 1, 0, 3, 4).reshape(Cg, G * N, H, W)
+    xs = x.transpose(0, 1) if G == 1 else x.unflatten(1, (G, Cg)).permute(2, 1, 0, 3, 4).reshape(Cg, G * N, H, W)
     # weight' (O, N, P, Q): always a view
     ws = dy.transpose(0, 1)
     # pad after the input only as far as the last tap reads: the convolution then has exactly KH x KW outputs
