@@ -533,9 +533,14 @@ def summary_lines(summary: dict) -> list[str]:
 
 
 def _commit() -> str | None:
+    """The checkout's commit, with '+dirty' where its tracked files differ from it (a copy of a
+    working tree whose changes are not committed, as the GPU host receives: the results then came
+    from that commit plus changes the record does not hold)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, capture_output=True).returncode == 0
+        return head if clean else head + "+dirty"
     except (OSError, subprocess.CalledProcessError):
         return None
 
