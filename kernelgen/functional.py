@@ -72,9 +72,16 @@ class Plan:
 
 
 _plans: dict[Any, Plan] = {}
-# Per thread (autograd runs a device's backward on a thread of its own): while above zero, the calls'
-# weights are transient (transient_weights()).
-_local = threading.local()
+
+
+class _PerThread(threading.local):
+    """Per thread (autograd runs a device's backward on a thread of its own): while `transient` is
+    above zero, the calls' weights are transient (transient_weights())."""
+
+    transient = 0
+
+
+_local = _PerThread()
 _planning_targets: list["Device"] = []
 _meta_observers: list[Callable[..., None]] = []
 _compiling = torch.compiler.is_compiling
@@ -95,7 +102,7 @@ def transient_weights() -> Iterator[None]:
     weights packs them into memory of the call's own and keeps nothing: no buffer kept with the
     weight, no event recorded, no bookkeeping a later call could never use (packs.py keeps a packing
     for the next call with the same weight)."""
-    _local.transient = getattr(_local, "transient", 0) + 1
+    _local.transient += 1
     try:
         yield
     finally:
@@ -362,7 +369,7 @@ def signature(input, weight, bias, stride, padding, dilation, groups, precision,
             math = precision if precision is not None else torch_fp32_conv_math()
         else:
             math = None
-        if getattr(_local, "transient", 0):  # (a plan of its own: the selector counts the packing, costmodel.py)
+        if _local.transient:  # (a plan of its own: the selector counts the packing, costmodel.py)
             family = ("transient", family)
         return (input.shape, input.stride(), dtype, input.device, weight.shape, weight.stride(), weight.dtype,
                 weight.device, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
@@ -428,7 +435,7 @@ def candidates_for(input, weight, bias=None, stride=1, padding=0, dilation=1, gr
             return specs, dataclasses.replace(vcall, sample=sample)
     math = fp32_math(precision) if params["dtype"] == "float32" else "ieee"
     problem = Problem(N=call.N, H=call.H, W=call.W, P=call.P, Q=call.Q, device=_target(input, device),
-                      transient=bool(getattr(_local, "transient", 0)))
+                      transient=bool(_local.transient))
     return select.ranked(params, device, problem, call.channels_last, math, family=family, tiles=tiles,
                          every=every), call
 
@@ -734,7 +741,7 @@ def _run(plan: Plan, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         ws = torch.empty(plan.ws, dtype=torch.uint8, device=input.device) if plan.ws else None
         pack, ready, wp = None, False, None
         if plan.packed:  # the weights as the kernel packs them: kept with the weight (packs.py), or this call's
-            if plan.pack_once and not getattr(_local, "transient", 0):
+            if plan.pack_once and not _local.transient:
                 pack, ready = packs.lookup(weight, plan.key, plan.packed, stream)
             wp = pack.buf if pack is not None else torch.empty(plan.packed, dtype=torch.uint8, device=input.device)
         did_pack = plan.launch(x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), *plan.args,
