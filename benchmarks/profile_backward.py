@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_backward  # noqa: E402
 from kernelgen import config  # noqa: E402
 from bench_cases import rounds_ms, set_tf32  # noqa: E402
+from bench_networks import graphed  # noqa: E402
 
 
 def host_ms(fn, calls: int) -> tuple[float, float]:
@@ -49,17 +50,8 @@ def host_ms(fn, calls: int) -> tuple[float, float]:
 
 
 def graph_ms(fn) -> float:
-    """ms per replay of `fn` captured in a CUDA graph (warmed on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return rounds_ms(graph.replay, rounds=3, reps=20, warmup=5)[0]
+    """ms per replay of `fn` captured in a CUDA graph (bench_networks.graphed's capture)."""
+    return rounds_ms(graphed(fn), rounds=3, reps=20, warmup=5)[0]
 
 
 def kernels(fn, calls: int = 5) -> list[tuple[str, float, float]]:
